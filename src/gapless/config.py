@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,76 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / (self.r ** 0.5 if self.use_rslora else self.r)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer, learning-rate schedule, checkpoints (used by train/optim.py and train/checkpoint.py)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW. Weight decay applies to 2-D and larger parameters only (LoRA A/B included)."""
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # None: the fused kernel on CUDA, torch's default (foreach) elsewhere; true/false forces it
+    fused: bool | None = None
+    # max global L2 norm of the gradients; 0 = no clipping (the norm is still computed and logged)
+    grad_clip: float = 1.0
+
+    def validate(self, where: str = "optim") -> None:
+        if not self.lr > 0:
+            raise ValueError(f"{where}.lr: must be positive, got {self.lr}; typical: 2e-4 for LoRA, 2e-5 for full")
+        if self.weight_decay < 0:
+            raise ValueError(f"{where}.weight_decay: must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"{where}.betas: expected two numbers in [0, 1), e.g. [0.9, 0.999], got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"{where}.eps: must be positive, got {self.eps}; typical: 1e-8")
+        if self.grad_clip < 0:
+            raise ValueError(f"{where}.grad_clip: must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+
+
+@dataclass
+class ScheduleConfig:
+    """Linear warmup to the peak lr, then `kind` decay to min_lr_ratio * peak at the last step."""
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    # set at most one of the two; warmup_ratio is a fraction of the run's total optimizer steps
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+
+    def validate(self, where: str = "schedule") -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"{where}.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"{where}.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError(f"{where}: warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} "
+                             "are both set; keep one and set the other to 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{where}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.kind == "constant" and self.min_lr_ratio:
+            warnings.warn(f"{where}.min_lr_ratio={self.min_lr_ratio} is ignored with kind 'constant'; "
+                          "use kind 'cosine' or 'linear' to decay", stacklevel=2)
+
+
+@dataclass
+class CheckpointConfig:
+    # save every this many optimizer steps (and at the end); 0 = no checkpoints, so no resume
+    every: int = 0
+    # keep the newest `keep` complete checkpoints, delete older ones
+    keep: int = 2
+    # write in a background thread; the loop waits only for the copy to host memory
+    async_write: bool = True
+
+    def validate(self, where: str = "checkpoint") -> None:
+        if self.every < 0:
+            raise ValueError(f"{where}.every: must be >= 0 (0 turns checkpoints off), got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"{where}.keep: must be >= 1 (the newest checkpoint is what resume needs), "
+                             f"got {self.keep}")
 
 
 # ---------------------------------------------------------------------------------------------
