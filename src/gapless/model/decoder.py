@@ -1,0 +1,315 @@
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3) in one file, with HF's parameter names.
+
+Module paths are exactly transformers' (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`),
+so a checkpoint's state dict loads without a renaming table and PEFT adapter keys are
+`base_model.model.` + our names. The four families differ only in switches read from config.json:
+
+    llama    optional bias on all four attention projections and on the MLP; tied embeddings (3.2)
+    qwen2    bias on q/k/v (not o); sliding window only where `use_sliding_window` says so
+    qwen3    RMSNorm on each q and k head before RoPE (`q_norm`/`k_norm`); head_dim set explicitly
+    mistral  sliding-window attention on every layer (null: none)
+
+Rows may be packed: `cu_seqlens` (int32 [docs + 1], offsets into the flattened B*T tokens) keeps
+documents from attending to each other, and positions restart at 0 at every document.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gapless.kernels.attention import get_attention
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class RopeScaling:
+    """RoPE frequency scaling, as transformers' `rope_parameters` / `rope_scaling` describe it."""
+    rope_type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pretraining context
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: None derives it from factor (and mscale)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+
+@dataclass
+class ModelArgs:
+    """The architecture, read from config.json by `gapless.model.loading.read_model_args`."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q_proj, k_proj, v_proj
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # one entry per layer: the window (a query at i sees keys j with i - window < j <= i) or None
+    sliding_window: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.sliding_window:
+            self.sliding_window = [None] * self.num_hidden_layers
+        assert len(self.sliding_window) == self.num_hidden_layers
+        assert self.num_attention_heads % self.num_key_value_heads == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention_factor), computed as transformers does per rope_type."""
+    s = args.rope_scaling
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if s.rope_type == "default":
+        return inv_freq, 1.0
+    if s.rope_type == "linear":
+        # dividing every frequency by `factor` is dividing every position by it (position interpolation)
+        return inv_freq / s.factor, 1.0
+    if s.rope_type == "llama3":
+        # Llama 3.1: long wavelengths (> ctx / low_freq_factor) are interpolated by `factor`, short ones
+        # (< ctx / high_freq_factor) kept, and the band between blended linearly in ctx / wavelength
+        ctx = s.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+        smooth = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if s.rope_type == "yarn":
+        return _yarn(inv_freq, dim, args.rope_theta, s)
+    raise AssertionError(f"rope_type {s.rope_type!r} should have been refused by read_model_args")
+
+
+def _yarn(inv_freq: Tensor, dim: int, base: float, s: RopeScaling) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023): extrapolate high frequencies, interpolate low ones, ramp between."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+        else:
+            attention_factor = mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength fits `rotations` times into the original context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: divide it by factor
+    inv_freq = inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per token from position_ids; computed once per forward and shared by all layers."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        inv_freq, self.attention_factor = rope_frequencies(args)
+        # not persistent: the state dict keeps exactly HF's keys
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_inv_freq(self, device: torch.device | str) -> None:
+        """Recompute inv_freq on `device` (after building on the meta device, buffers hold no data)."""
+        self.inv_freq = rope_frequencies(self.args)[0].to(device)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # float32 angles: in bf16 a position near 4096 would be off by up to 16
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, head_dim], HF's rotate-half layout
+        # yarn scales q and k by attention_factor each, so attention logits by its square, as HF does
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin [B, T, D] broadcast over heads."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def positions_from_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> Tensor:
+    """[B, T] positions that restart at 0 at every document start, without a host sync."""
+    flat = torch.arange(batch * seqlen, device=cu_seqlens.device)
+    cu = cu_seqlens.long()
+    doc = torch.searchsorted(cu, flat, right=True) - 1  # the document each token belongs to
+    return (flat - cu[doc]).view(batch, seqlen)
+
+
+# ---------------------------------------------------------------------------------------------
+# the decoder
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # float32 statistics, then back to the input dtype before the weight, exactly as HF orders it
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        D, hd = args.hidden_size, args.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(D, args.num_attention_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(D, args.num_key_value_heads * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(D, args.num_key_value_heads * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.num_attention_heads * hd, D, bias=args.o_proj_bias)
+        # qwen3 normalises each head of q and k over head_dim before RoPE
+        self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.sliding_window = args.sliding_window[layer_idx]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
+                max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hq, hd]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hkv, hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn_fn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask,
+                      sliding_window=self.sliding_window, scale=self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
+                max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn_fn, cu_seqlens, max_seqlen, attention_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm (and the non-persistent RoPE table)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # padding_idx as HF sets it: the pad row gets no gradient in full fine-tuning
+        pad = args.pad_token_id if args.pad_token_id is not None and 0 <= args.pad_token_id < args.vocab_size else None
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=pad)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args)
+
+
+class CausalLM(nn.Module):
+    """The decoder with its LM head. `model(input_ids)` gives logits [B, T, vocab].
+
+    `config_dict` (config.json as read) and `source_dir` are set by the loader so that export can
+    write a faithful config and copy the tokenizer.
+    """
+
+    def __init__(self, args: ModelArgs, attn_backend: str = "sdpa"):
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.attn_backend = attn_backend
+        self.attn_fn = get_attention(attn_backend)
+        self.config_dict: dict | None = None
+        self.source_dir = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding Parameter with lm_head when the config ties them (again after loading assigns)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                      cu_seqlens: Tensor | None = None, attention_mask: Tensor | None = None,
+                      max_seqlen: int | None = None) -> Tensor:
+        """The final-normed hidden states [B, T, hidden]; the training loss applies lm_head in chunks."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed rows) or attention_mask (padded rows), not both")
+            if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+                raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of document offsets, "
+                                 f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        if position_ids is None:
+            if cu_seqlens is not None:
+                position_ids = positions_from_cu_seqlens(cu_seqlens, B, T)
+            else:  # right padding: real tokens sit at 0..n-1; left padding needs the caller's positions
+                position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        h = self.model.embed_tokens(input_ids)  # [B, T, D]
+        cos, sin = self.model.rotary_emb(position_ids, h.dtype)  # [B, T, hd], once for all layers
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, self.attn_fn, cu_seqlens, max_seqlen, attention_mask)
+        return self.model.norm(h)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                attention_mask: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, cu_seqlens, attention_mask, max_seqlen))
+
+
+def set_attention_backend(model: CausalLM, name: str) -> CausalLM:
+    """Switch the attention backend by name (a transform: returns the same model)."""
+    model.attn_fn = get_attention(name)
+    model.attn_backend = name
+    return model

@@ -1,0 +1,332 @@
+"""An HF checkpoint folder -> a gapless CausalLM.
+
+config.json gives the architecture (`read_model_args`), in either transformers 4.x form
+(`rope_theta` + `rope_scaling`, what hub checkpoints carry) or 5.x form (`rope_parameters`).
+Weights come from model.safetensors or the shards named by model.safetensors.index.json. The model
+is built on the meta device (no memory), every key and shape is checked against the safetensors
+headers before a tensor is read, and then tensors are read one at a time, converted to the target
+dtype/device and assigned, so there is never a second full copy of the weights in memory.
+Pickle checkpoints (*.bin, *.pt) are refused, never unpickled: unpickling can run arbitrary code.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gapless.model.decoder import ROPE_TYPES, CausalLM, ModelArgs, RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# state-dict keys some older conversions persisted; transformers ignores them on load, and so do we
+IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_MISSING = object()
+
+
+def read_config(folder: str | Path) -> dict:
+    """config.json of `folder` as a dict; a missing or unreadable file is a ValueError naming it."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder; pass the path of an HF checkpoint folder "
+                         "(config.json + model.safetensors)")
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; an HF checkpoint folder needs config.json beside its "
+                         "*.safetensors weights (copy it from the model's source)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def read_model_args(folder: str | Path) -> ModelArgs:
+    """The architecture of the checkpoint in `folder`, from its config.json."""
+    return model_args_from_config(read_config(folder), where=str(Path(folder) / "config.json"))
+
+
+class _Fields:
+    """Typed reads from a config dict; every error names the file and the field."""
+
+    def __init__(self, config: dict, where: str):
+        self.config, self.where = config, where
+
+    def error(self, name: str, message: str) -> ValueError:
+        return ValueError(f"{self.where}: {name}: {message}")
+
+    def get(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
+        source = self.config if source is None else source
+        if source.get(name) is None:
+            if default is _MISSING:
+                raise self.error(name, "required field is missing or null")
+            return default
+        return source[name]
+
+    def int(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
+        value = self.get(name, default, source)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise self.error(name, f"expected a positive integer, got {value!r}")
+        return value
+
+    def float(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
+        value = self.get(name, default, source)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise self.error(name, f"expected a positive number, got {value!r}")
+        return None if value is None else float(value)
+
+    def bool(self, name: str, default: Any = _MISSING, source: dict | None = None) -> bool:
+        value = self.get(name, default, source)
+        if not isinstance(value, bool):
+            raise self.error(name, f"expected true or false, got {value!r}")
+        return value
+
+
+def model_args_from_config(config: dict, where: str = "config.json") -> ModelArgs:
+    """ModelArgs from a config.json dict; `where` names the file in error messages."""
+    f = _Fields(config, where)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise f.error("model_type", f"{model_type!r} is not supported; gapless supports "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if config.get("quantization_config"):
+        raise f.error("quantization_config", "pre-quantized checkpoints are not supported; load the "
+                                             "unquantized (bf16/fp16/fp32) base model instead")
+    if f.get("hidden_act", "silu") != "silu":
+        raise f.error("hidden_act", f"{config['hidden_act']!r} is not supported; the Llama family uses 'silu'")
+    if config.get("attention_dropout"):
+        warnings.warn(f"{where}: attention_dropout={config['attention_dropout']} is ignored; "
+                      "gapless applies no dropout inside attention", stacklevel=2)
+
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    layers = f.int("num_hidden_layers")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    # transformers' Qwen3Config defaults head_dim to 128 rather than hidden_size / heads
+    head_dim = f.int("head_dim", 128 if model_type == "qwen3" else None)
+    if head_dim is None:
+        if hidden % heads:
+            raise f.error("head_dim", f"missing, and hidden_size={hidden} is not a multiple of "
+                                      f"num_attention_heads={heads}")
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise f.error("head_dim", f"RoPE needs an even head dimension, got {head_dim}")
+    max_positions = f.int("max_position_embeddings", None)
+    rope_theta, rope_scaling = _read_rope(f, max_positions)
+
+    attention_bias = f.bool("attention_bias", False) if model_type in ("llama", "qwen3") else False
+    return ModelArgs(
+        model_type=model_type,
+        vocab_size=f.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        # qwen2 always has q/k/v bias and never an o_proj bias; llama and qwen3 put attention_bias on all four
+        attention_bias=attention_bias or model_type == "qwen2",
+        o_proj_bias=attention_bias,
+        mlp_bias=f.bool("mlp_bias", False) if model_type == "llama" else False,
+        qk_norm=model_type == "qwen3",
+        sliding_window=_read_sliding_window(f, model_type, layers),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=config.get("eos_token_id"),
+        pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScaling]:
+    """rope_theta and scaling from 5.x `rope_parameters` or 4.x `rope_scaling` + `rope_theta`."""
+    config = f.config
+    # transformers 5 lets a non-null 4.x `rope_scaling` win over `rope_parameters`; so do we
+    name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(name) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise f.error(name, f"expected one mapping of RoPE parameters (per-layer-type RoPE is not "
+                            f"supported), got {params!r}")
+    theta = f.float("rope_theta", None, source=params) or f.float("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise f.error(f"{name}.rope_type", f"{rope_type!r} is not supported; gapless supports "
+                                           f"{', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise f.error("partial_rotary_factor", f"{partial!r}: partial RoPE is not supported")
+    if rope_type == "default":
+        return theta, RopeScaling()
+
+    def field(key: str, default: Any = _MISSING, kind: str = "float") -> Any:
+        try:
+            return getattr(f, kind)(key, default, source=params)
+        except ValueError as e:
+            raise ValueError(str(e).replace(f": {key}:", f": {name}.{key}:", 1)) from None
+
+    if rope_type == "linear":
+        return theta, RopeScaling(rope_type="linear", factor=field("factor"))
+    # the pretraining context: a top-level field wins (as in transformers), else the rope mapping's,
+    # else max_position_embeddings
+    original = f.int("original_max_position_embeddings", None) or field(
+        "original_max_position_embeddings", max_positions, "int")
+    if original is None:
+        raise f.error(f"{name}.original_max_position_embeddings",
+                      f"{rope_type} RoPE needs it (or max_position_embeddings)")
+    if rope_type == "llama3":
+        return theta, RopeScaling(rope_type="llama3", factor=field("factor"), original_max_position_embeddings=original,
+                                  low_freq_factor=field("low_freq_factor"), high_freq_factor=field("high_freq_factor"))
+    factor = field("factor", None)
+    if factor is None:  # transformers derives it from the two context lengths
+        if max_positions is None:
+            raise f.error(f"{name}.factor", "yarn RoPE needs factor (or max_position_embeddings)")
+        factor = max_positions / original
+    return theta, RopeScaling(
+        rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+        beta_fast=field("beta_fast", 32.0), beta_slow=field("beta_slow", 1.0),
+        attention_factor=field("attention_factor", None), mscale=field("mscale", None),
+        mscale_all_dim=field("mscale_all_dim", None), truncate=field("truncate", True, "bool"))
+
+
+def _read_sliding_window(f: _Fields, model_type: str, layers: int) -> list[int | None]:
+    """The attention window of each layer, as transformers' config classes decide it."""
+    if model_type == "llama":
+        return [None] * layers
+    if model_type == "mistral":
+        # MistralConfig's default is 4096 when the field is absent; null (Mistral v0.2+) means none
+        window = f.int("sliding_window", None) if "sliding_window" in f.config else 4096
+        return [window] * layers
+    # qwen2 / qwen3: a window only with use_sliding_window, and only on the layers layer_types names
+    # (by default those at index >= max_window_layers)
+    if not f.bool("use_sliding_window", False):
+        return [None] * layers
+    window = f.int("sliding_window", 4096)
+    layer_types = f.get("layer_types", None)
+    if layer_types is None:
+        max_window_layers = f.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(layers)]
+    if (not isinstance(layer_types, list) or len(layer_types) != layers
+            or not set(layer_types) <= {"full_attention", "sliding_attention"}):
+        raise f.error("layer_types", f"expected {layers} entries of 'full_attention' or 'sliding_attention', "
+                                     f"got {layer_types!r}")
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+def read_weight_headers(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """key -> (safetensors file, shape) from the headers alone; no tensor data is read."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from None
+        files = sorted({folder / name for name in weight_map.values()})
+        absent = [p.name for p in files if not p.is_file()]
+        if absent:
+            raise ValueError(f"{index}: names shard files that are not in the folder: {', '.join(absent)}")
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        names = sorted(p.name for p in folder.iterdir())
+        pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise ValueError(
+                f"{folder}: holds only pickle checkpoints ({', '.join(pickles)}); gapless reads safetensors "
+                "and never unpickles (loading a pickle can run arbitrary code). If you trust the file, convert "
+                "it once with transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained("
+                "new_folder, safe_serialization=True), then load new_folder")
+        others = [n for n in names if n.endswith(".safetensors")]
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json"
+                         + (f" (found {', '.join(others)}; is the index file missing?)" if others else ""))
+    headers: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as st:
+                for key in st.keys():
+                    headers[key] = (path, tuple(st.get_slice(key).get_shape()))
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
+    return headers
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: dict | None = None) -> torch.dtype:
+    """A torch dtype from a dtype, a name ('bfloat16', 'bf16', ...), 'auto' (config.json's) or None (float32)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype: {dtype} is not a floating-point type")
+        return dtype
+    if dtype == "auto":
+        saved = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
+        return resolve_dtype(saved)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not known; choose one of {', '.join(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def _format_keys(keys: list[str], limit: int = 40) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               attn_backend: str = "sdpa") -> CausalLM:
+    """Load the HF checkpoint folder `path` as a CausalLM in `dtype` (default float32) on `device`, in eval mode."""
+    folder = Path(path)
+    config = read_config(folder)
+    args = model_args_from_config(config, where=str(folder / "config.json"))
+    dtype = resolve_dtype(dtype, config)
+    headers = read_weight_headers(folder)
+
+    with torch.device("meta"):  # parameters without storage: nothing is allocated until we assign
+        model = CausalLM(args, attn_backend=attn_backend)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:  # lm_head shares the embedding; checkpoints usually leave it out
+        del expected["lm_head.weight"]
+    found = {k for k in headers if not k.endswith(IGNORED_KEY_SUFFIXES)}
+    if args.tie_word_embeddings:
+        found.discard("lm_head.weight")
+    missing, unexpected = sorted(expected.keys() - found), sorted(found - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"{folder}: the weights do not match config.json's {args.model_type} architecture; "
+                         f"missing keys: [{_format_keys(missing)}]; unexpected keys: [{_format_keys(unexpected)}]")
+    for key, shape in expected.items():
+        if headers[key][1] != shape:
+            raise ValueError(f"{headers[key][0]}: {key} has shape {list(headers[key][1])}, "
+                             f"but config.json implies {list(shape)}")
+
+    by_file: dict[Path, list[str]] = {}
+    for key in expected:
+        by_file.setdefault(headers[key][0], []).append(key)
+    state = {}
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as st:
+            for key in keys:  # one tensor at a time: peak extra memory is one tensor, not a model
+                state[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb.reset_inv_freq(device)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())), "a tensor was not loaded"
+    model.config_dict = config
+    model.source_dir = folder
+    return model.eval()
