@@ -12,10 +12,30 @@ Every backend computes the same function:
 - `sliding_window` (Mistral): a query at position i sees keys j with i - window < j <= i.
 
 "sdpa" is the plain-PyTorch reference that runs anywhere; the GPU backends are tested against it.
+
+The GPU backends (CUDA, bf16/fp16 only; each refuses anything else with an error naming the fallback):
+- "varlen": torch.nn.attention.varlen.varlen_attn, torch's own FlashAttention-2 varlen kernels, GQA native.
+  Measured on the H200 at T=16384 (peers/README.md): 4.5 ms fwd+bwd per layer, 248 TFLOP/s.
+- "flex": FlexAttention (torch.compile'd Triton kernels) with a document-causal block mask built from
+  cu_seqlens; the mask is built once per batch (cached on the cu_seqlens tensor) and shared by all layers.
+- "fa4": flash-attn-4 (flash_attn.cute, CuTe DSL SM90 kernels) varlen; 2.5 ms per layer, 455 TFLOP/s on
+  the same shapes (peers/README.md), 12.5 s of JIT compile on the first call.
+Packed rows are flattened [B, T, H, D] -> [B*T, H, D]; cu_seqlens already indexes that flat axis.
+
+Not registered: "cudnn". SDPA's cuDNN backend takes dense [B, H, T, D] rows, so packed documents would need
+a block-diagonal [T, T] mask per row (O(T^2) memory, no skipping of masked tiles). The ragged route, SDPA on
+nested jagged tensors, only reaches cuDNN through torch/nested/_internal/sdpa.py, which (torch 2.13) refuses
+training with fewer KV heads than query heads ("do not support training with broadcasted NT inputs"), so
+GQA would need K and V expanded 3x for Llama-3.2-3B, refuses zero-length segments, and prefers the same
+FlashAttention-2 kernel that "varlen" calls; torch's own varlen_attn has a cuDNN path but it is switched off
+(_should_use_cudnn returns False) and rejects GQA and windows. bench/kernels_gpu.py times that nested-tensor
+route once as a probe, so this decision rests on a number.
 """
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +86,189 @@ AttentionFn = Callable[..., Tensor]
 
 
 def get_attention(name: str) -> AttentionFn:
-    """The attention function for backend `name`; unknown names are a ValueError that lists the choices."""
+    """The attention function for backend `name`.
+
+    Unknown names are a ValueError that lists the choices; a known backend this installation cannot run
+    (a missing package, a torch too old) is a RuntimeError that says why and which backend to pick instead.
+    Each call builds a fresh function: "flex" keeps its block-mask cache inside it, not in this module.
+    """
     backends = _backends()
     if name not in backends:
         raise ValueError(f"attention backend {name!r} is not known; choose one of {sorted(backends)}")
-    return backends[name]
+    return backends[name]()
 
 
-def _backends() -> dict[str, AttentionFn]:
-    return {"sdpa": sdpa_reference}
+def _backends() -> dict[str, Callable[[], AttentionFn]]:
+    return {"sdpa": lambda: sdpa_reference, "varlen": _varlen_backend, "flex": FlexAttention, "fa4": _fa4_backend}
+
+
+def _segments(q: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None, attention_mask: Tensor | None,
+              name: str) -> tuple[Tensor, int]:
+    """(cu_seqlens, max_seqlen) over the flattened B*T tokens, without a host sync."""
+    B, T = q.shape[:2]
+    if attention_mask is not None:
+        raise ValueError(f"attention backend {name!r} takes packed rows (cu_seqlens), not attention_mask; "
+                         "describe padded rows as segments in cu_seqlens, or choose 'sdpa'")
+    if cu_seqlens is None:  # unpadded rows: each row is one causal document, offsets 0, T, 2T, ..., B*T
+        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), T
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} of shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if max_seqlen is None:
+        raise ValueError(f"attention backend {name!r} needs max_seqlen (the longest segment, a host int the "
+                         "batch carries): reading it off cu_seqlens here would sync the host every layer")
+    return cu_seqlens, int(max_seqlen)
+
+
+def _check_cuda_half(name: str, fallback: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16):
+            raise RuntimeError(f"attention backend {name!r} runs CUDA bf16/fp16 tensors only, got {t.dtype} on "
+                               f"{t.device}; choose {fallback!r}")
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (a query sees itself and window-1 keys before it), "
+                         f"got {sliding_window}")
+
+
+def _varlen_backend() -> AttentionFn:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        raise RuntimeError(f"attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10); torch "
+                           f"{torch.__version__} lacks it ({e}); choose 'sdpa'") from e
+    params = inspect.signature(varlen_attn).parameters
+    # the signature moved between releases: 2.10 took is_causal, 2.11 window_size=(left, right) and GQA
+    # without a flag, 2.13 window_size and enable_gqa=True (it raises on Hq != Hkv without it)
+    has_window = "window_size" in params
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+
+    def varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+               attention_mask: Tensor | None = None, sliding_window: int | None = None,
+               scale: float | None = None) -> Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "varlen")
+        _check_cuda_half("varlen", "sdpa", q, k, v)
+        _check_window(sliding_window)
+        if sliding_window is None:
+            # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
+            mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
+        elif has_window:
+            mode = {"window_size": (sliding_window - 1, 0)}  # i - window < j <= i: window-1 keys to the left
+        else:
+            raise RuntimeError(f"torch {torch.__version__}'s varlen_attn has no window_size, so 'varlen' cannot "
+                               "run sliding_window; choose 'flex' or 'sdpa'")
+        out = varlen_attn(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
+                          cu, cu, max_len, max_len, scale=scale, **mode, **gqa)
+        return out.view(B, T, Hq, D)
+
+    return varlen
+
+
+def _fa4_backend() -> AttentionFn:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        raise RuntimeError(f"attention backend 'fa4' needs flash-attn-4 (flash_attn.cute with nvidia-cutlass-dsl), "
+                           f"which is not importable here ({e}); install it (shared/peers/README.md says how) or "
+                           "choose 'varlen'") from e
+
+    def fa4(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+            attention_mask: Tensor | None = None, sliding_window: int | None = None,
+            scale: float | None = None) -> Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "fa4")
+        _check_cuda_half("fa4", "varlen", q, k, v)
+        _check_window(sliding_window)
+        window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
+        out = flash_attn_varlen_func(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
+                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                                     softmax_scale=scale, causal=True, **window)
+        out = out[0] if isinstance(out, tuple) else out  # some releases return (out, lse)
+        return out.view(B, T, Hq, D)
+
+    return fa4
+
+
+class FlexAttention:
+    """Document-causal attention through FlexAttention, with the block mask built from cu_seqlens.
+
+    All B*T tokens are treated as one flat sequence [1, H, B*T, D]; token i belongs to document
+    doc[i] = #{cu_seqlens[1:] <= i}, and (q, kv) is allowed iff doc[q] == doc[kv] and kv <= q
+    (and q - kv < sliding_window). Documents never cross rows, so rows need no mask of their own.
+
+    The block mask depends only on cu_seqlens, so it is built once per batch and reused by every layer:
+    the cache holds the last one, keyed on the cu_seqlens tensor object (and its in-place version counter).
+    Building it is a per-batch cost (a [B*T/128]^2 block scan; bench/kernels_gpu.py prints it); on CUDA it
+    goes through torch.compile(create_block_mask) so the dense [B*T, B*T] mask is never materialised.
+    `compiled=False` runs flex_attention eagerly: a reference-speed path (it materialises the scores) that
+    works on the CPU for the forward only (torch 2.13 has no CPU backward for FlexAttention).
+    When the whole model is compiled, the mask build is a graph break (torch.compiler.disable).
+    """
+
+    def __init__(self, compiled: bool = True) -> None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError as e:
+            raise RuntimeError(f"attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5); "
+                               f"torch {torch.__version__} lacks it ({e}); choose 'sdpa'") from e
+        self.compiled = compiled
+        self._flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        self._create_eager = create_block_mask
+        self._create_compiled = torch.compile(create_block_mask) if compiled else None
+        self._cache: tuple[tuple, weakref.ref | None, Any] | None = None
+
+    @torch.compiler.disable
+    def block_mask(self, cu_seqlens: Tensor | None, batch: int, seq: int, sliding_window: int | None,
+                   device: torch.device) -> Any:
+        """The BlockMask for these segments (cached: the same cu_seqlens tensor gives the same object)."""
+        n = batch * seq
+        if cu_seqlens is None:
+            key: tuple = ("rows", batch, seq, sliding_window, str(device))
+        else:
+            key = ("cu", id(cu_seqlens), cu_seqlens._version, n, sliding_window, str(device))
+        if self._cache is not None:
+            ckey, cref, cmask = self._cache
+            if ckey == key and (cref is None or cref() is cu_seqlens):
+                return cmask
+        idx = torch.arange(n, device=device, dtype=torch.int32)
+        if cu_seqlens is None:
+            doc = idx // seq
+        else:
+            doc = torch.searchsorted(cu_seqlens[1:].to(device), idx, right=True)  # [n] document id per token
+
+        def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            allowed = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+            if sliding_window is not None:
+                allowed = allowed & (q_idx - kv_idx < sliding_window)
+            return allowed
+
+        create = self._create_compiled if (self._create_compiled is not None and device.type == "cuda") \
+            else self._create_eager
+        mask = create(document_causal, None, None, n, n, device=device)
+        self._cache = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), mask)
+        return mask
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
+                 max_seqlen: int | None = None, attention_mask: Tensor | None = None,
+                 sliding_window: int | None = None, scale: float | None = None) -> Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        if attention_mask is not None:
+            raise ValueError("attention backend 'flex' takes packed rows (cu_seqlens), not attention_mask; "
+                             "describe padded rows as segments in cu_seqlens, or choose 'sdpa'")
+        if cu_seqlens is not None and (cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1):
+            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        if self.compiled:
+            _check_cuda_half("flex", "sdpa", q, k, v)
+        _check_window(sliding_window)
+        mask = self.block_mask(cu_seqlens, B, T, sliding_window, q.device)
+        # [B, T, H, D] -> [1, H, B*T, D]: one flat sequence, heads second as flex_attention takes them
+        qf, kf, vf = (x.reshape(1, B * T, x.shape[2], D).transpose(1, 2) for x in (q, k, v))
+        out = self._flex(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+        return out.transpose(1, 2).reshape(B, T, Hq, D)

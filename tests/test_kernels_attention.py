@@ -1,0 +1,138 @@
+"""Attention backends against sdpa_reference.
+
+CPU: the registry's errors, and FlexAttention's forward run eagerly in float32 (torch 2.13 has no CPU
+backward for FlexAttention), to 1e-5 relative. CUDA (marked gpu): every backend in bf16, forward and
+backward, against the reference run in float32 on the same inputs upcast; bf16 operands land between 1e-3
+and 1e-2 relative (‖out − ref‖ / ‖ref‖), so the bound is 1e-2 for the output and 2e-2 for the gradients
+(dk and dv sum over every query of a document and a GQA group).
+"""
+import pytest
+import torch
+
+from gapless.kernels.attention import FlexAttention, get_attention, sdpa_reference
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def packed(lengths_per_row, T, Hq, Hkv, D, device="cpu", dtype=torch.float32, seed=0):
+    """q, k, v [B, T, H, D] and cu_seqlens over B*T; each row's unused tail is its own segment."""
+    g = torch.Generator().manual_seed(seed)
+    offsets, max_len = [0], 0
+    for row in lengths_per_row:
+        assert sum(row) <= T
+        for n in list(row) + ([T - sum(row)] if sum(row) < T else []):
+            offsets.append(offsets[-1] + n)
+            max_len = max(max_len, n)
+    B = len(lengths_per_row)
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    return q, k, v, cu, max_len
+
+
+def test_unknown_backend_lists_choices():
+    with pytest.raises(ValueError, match="flex.*sdpa.*varlen"):
+        get_attention("flash9")
+
+
+def test_sdpa_is_the_reference():
+    assert get_attention("sdpa") is sdpa_reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_backends_refuse_cpu_tensors_and_name_the_fallback():
+    q, k, v, cu, m = packed([[5, 11]], 16, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="'sdpa'"):
+        get_attention("varlen")(q, k, v, cu_seqlens=cu, max_seqlen=m)
+    with pytest.raises(RuntimeError, match="'sdpa'"):
+        get_attention("flex")(q, k, v, cu_seqlens=cu, max_seqlen=m)
+
+
+def test_fa4_unavailable_names_varlen():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="'varlen'"):
+            get_attention("fa4")
+    else:
+        pytest.skip("flash-attn-4 is installed here")
+
+
+def test_packed_backends_refuse_attention_mask_and_missing_max_seqlen():
+    q, k, v, cu, m = packed([[5, 11]], 16, 4, 2, 8)
+    mask = torch.ones(1, 16)
+    with pytest.raises(ValueError, match="attention_mask"):
+        FlexAttention(compiled=False)(q, k, v, attention_mask=mask)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        get_attention("varlen")(q, k, v, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="int32"):
+        FlexAttention(compiled=False)(q, k, v, cu_seqlens=cu.long(), max_seqlen=m)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_flex_forward_matches_reference_cpu(window):
+    # two rows of 160 (> one 128-token block); documents of 1, 2, 130 tokens; tails as their own segments
+    q, k, v, cu, m = packed([[1, 130, 2, 20], [100, 3]], 160, 4, 2, 16)
+    out = FlexAttention(compiled=False)(q, k, v, cu_seqlens=cu, max_seqlen=m, sliding_window=window)
+    ref = sdpa_reference(q, k, v, cu_seqlens=cu, max_seqlen=m, sliding_window=window)
+    assert out.shape == ref.shape
+    assert rel(out, ref) < 1e-5
+
+
+def test_flex_rows_without_cu_seqlens_are_causal_rows():
+    q, k, v, _, _ = packed([[], []], 40, 2, 2, 8)
+    out = FlexAttention(compiled=False)(q, k, v, scale=0.3)
+    ref = sdpa_reference(q, k, v, scale=0.3)
+    assert rel(out, ref) < 1e-5
+
+
+def test_flex_block_mask_is_cached_per_batch():
+    flex = FlexAttention(compiled=False)
+    _, _, _, cu, _ = packed([[3, 9]], 16, 2, 2, 8)
+    dev = torch.device("cpu")
+    first = flex.block_mask(cu, 1, 16, None, dev)
+    assert flex.block_mask(cu, 1, 16, None, dev) is first  # every layer of one batch: built once
+    assert flex.block_mask(cu.clone(), 1, 16, None, dev) is not first  # the next batch: rebuilt
+    cu2 = cu.clone()
+    m2 = flex.block_mask(cu2, 1, 16, None, dev)
+    cu2[1] = 4  # edited in place: the version counter moves, so the mask is rebuilt
+    assert flex.block_mask(cu2, 1, 16, None, dev) is not m2
+    assert flex.block_mask(cu2, 1, 16, 4, dev) is not flex.block_mask(cu2, 1, 16, None, dev)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def _backend_or_skip(name):
+    try:
+        return get_attention(name)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def _fwd_bwd(fn, q, k, v, g, **kw):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(g)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("name", ["varlen", "flex", "fa4"])
+def test_backend_matches_reference_cuda_bf16(name, window):
+    fn = _backend_or_skip(name)
+    rows = [[1, 700, 37, 129, 300, 2], [1024, 5, 900]]  # 2 rows of T=2048, Llama head dim, GQA 4:1
+    q, k, v, cu, m = packed(rows, 2048, 8, 2, 128, device="cuda", dtype=torch.bfloat16, seed=1)
+    g = torch.randn_like(q)
+    kw = dict(cu_seqlens=cu, max_seqlen=m, sliding_window=window)
+    got = _fwd_bwd(fn, q, k, v, g, **kw)
+    ref = _fwd_bwd(sdpa_reference, q.float(), k.float(), v.float(), g.float(), **kw)
+    for name_, a, b, tol in zip(("out", "dq", "dk", "dv"), got, ref, (1e-2, 2e-2, 2e-2, 2e-2)):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all(), name_
+        assert rel(a, b) < tol, (name_, rel(a, b))
