@@ -253,3 +253,99 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# data: the sources of a run, tokenization and batching (gapless.data)
+
+# The canonical fields of each record format. SourceConfig.columns maps a canonical name to the
+# file's own column (or message key) name, e.g. {prompt: question, completion: answer} for gsm8k.
+DATA_FORMAT_FIELDS = {
+    "messages": ("messages", "tools", "role", "content"),
+    "sharegpt": ("conversations", "tools", "system", "from", "value"),
+    "alpaca": ("instruction", "input", "output", "system"),
+    "prompt_completion": ("prompt", "completion", "system"),
+    "text": ("text",),
+}
+# What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
+# (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
+
+
+@dataclass
+class SourceConfig:
+    # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
+    # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow; relative paths are from the cwd
+    path: str
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
+    columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
+    roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
+    # Mixing (set at most one): `epochs` = how often each document appears in one pass over the mix
+    # (0.5 = a seeded half, 2 = twice); `weight` = this source's share of the documents of all weighted
+    # sources, whose total count is kept. Neither = epochs 1.
+    weight: float | None = None
+    epochs: float | None = None
+    name: str | None = None  # shown in the summary; defaults to the path
+
+    def validate(self, where: str = "source") -> None:
+        if not self.path.strip():
+            raise ValueError(f"{where}.path: empty; give a file, a glob or a folder")
+        if self.weight is not None and self.epochs is not None:
+            raise ValueError(f"{where}: set weight or epochs, not both")
+        for key in ("weight", "epochs"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"{where}.{key}: must be positive, got {value}")
+        known = (DATA_FORMAT_FIELDS[self.format] if self.format != "auto"
+                 else sorted({f for fields in DATA_FORMAT_FIELDS.values() for f in fields}))
+        for key in self.columns:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                raise ValueError(f"{where}.columns.{key}: not a field of format {self.format!r}"
+                                 + (f"; did you mean {hint[0]!r}?" if hint else f"; fields: {list(known)}"))
+        for name, role in self.roles.items():
+            if role not in CHAT_ROLES:
+                raise ValueError(f"{where}.roles.{name}: {role!r} is not one of {list(CHAT_ROLES)}")
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    # held-out data: either separate sources or a seeded fraction of every source's records
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    eval_fraction: float = 0.0
+    tokenizer: str | None = None  # an HF tokenizer folder; defaults to the model folder
+    chat_template: str | None = None  # inline Jinja or a path to a .jinja file; defaults to the tokenizer's
+    max_seq_len: int = 4096
+    train_on: Literal["assistant", "all", "last_assistant"] = "assistant"
+    overlong: Literal["truncate", "drop", "split"] = "truncate"  # split: plain text only
+    on_error: Literal["raise", "skip"] = "raise"
+    batching: Literal["packed", "padded", "length_grouped", "pad_to_max"] = "packed"
+    pack_algorithm: Literal["best_fit", "first_fit"] = "best_fit"
+    # packed: tokens_per_batch // max_seq_len rows of max_seq_len slots each;
+    # padded strategies: as many documents as fit in tokens_per_batch slots after padding
+    tokens_per_batch: int = 16384
+    pad_to_multiple_of: int = 8
+    cache_dir: str = "~/.cache/gapless/data"
+    num_workers: int | None = None  # tokenizer processes; None = the CPU count, 0 = in this process
+    seed: int = 0
+
+    def validate(self, where: str = "data") -> None:
+        if not self.sources:
+            raise ValueError(f"{where}.sources: at least one source is required, e.g. [{{path: train.jsonl}}]")
+        if self.max_seq_len < 2:
+            raise ValueError(f"{where}.max_seq_len: must be at least 2, got {self.max_seq_len}")
+        if self.tokens_per_batch < self.max_seq_len:
+            raise ValueError(f"{where}.tokens_per_batch: {self.tokens_per_batch} is less than "
+                             f"max_seq_len {self.max_seq_len}; raise it or lower max_seq_len")
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"{where}.pad_to_multiple_of: must be at least 1, got {self.pad_to_multiple_of}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{where}.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_fraction > 0 and self.eval_sources:
+            raise ValueError(f"{where}.eval_fraction: set eval_fraction or eval_sources, not both")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"{where}.num_workers: must be >= 0 (0 = no worker processes), got {self.num_workers}")
+        template = self.chat_template
+        if template and template.endswith(".jinja") and "{" not in template and not Path(template).expanduser().is_file():
+            raise ValueError(f"{where}.chat_template: file {template} not found")
