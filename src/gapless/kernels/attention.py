@@ -161,8 +161,12 @@ def _varlen_backend() -> AttentionFn:
         else:
             raise RuntimeError(f"torch {torch.__version__}'s varlen_attn has no window_size, so 'varlen' cannot "
                                "run sliding_window; choose 'flex' or 'sdpa'")
+        if scale is not None:
+            if "scale" not in params:
+                raise RuntimeError(f"torch {torch.__version__}'s varlen_attn takes no scale; choose 'flex' or 'sdpa'")
+            mode["scale"] = scale
         out = varlen_attn(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
-                          cu, cu, max_len, max_len, scale=scale, **mode, **gqa)
+                          cu, cu, max_len, max_len, **mode, **gqa)
         return out.view(B, T, Hq, D)
 
     return varlen
