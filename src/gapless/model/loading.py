@@ -310,10 +310,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     if missing or unexpected:
         raise ValueError(f"{folder}: the weights do not match config.json's {args.model_type} architecture; "
                          f"missing keys: [{_format_keys(missing)}]; unexpected keys: [{_format_keys(unexpected)}]")
-    for key, shape in expected.items():
-        if headers[key][1] != shape:
-            raise ValueError(f"{headers[key][0]}: {key} has shape {list(headers[key][1])}, "
-                             f"but config.json implies {list(shape)}")
+    wrong = [f"{key} has shape {list(headers[key][1])} in {headers[key][0].name}, but config.json implies "
+             f"{list(shape)}" for key, shape in expected.items() if headers[key][1] != shape]
+    if wrong:
+        raise ValueError(f"{folder}: the tensor shapes do not match config.json: {'; '.join(wrong[:20])}"
+                         + (f"; ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""))
 
     by_file: dict[Path, list[str]] = {}
     for key in expected:

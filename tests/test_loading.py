@@ -1,0 +1,195 @@
+"""Loading HF folders: both config.json forms, shards, dtypes, and a clear error for each user mistake."""
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.testing import assert_close
+
+import gapless
+from gapless.model.loading import model_args_from_config, read_model_args, read_weight_headers
+
+TINY = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+ROPES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_config_forms_4x_and_5x_give_the_same_model(hf_checkpoint, tmp_path, rope):
+    import transformers
+
+    _, folder = hf_checkpoint("llama", rope_parameters={**ROPES[rope], "rope_theta": 50000.0})
+    assert "rope_parameters" in json.loads((folder / "config.json").read_text())  # the 5.x form
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    config = json.loads((old / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    kind = params.pop("rope_type")
+    # the 4.x form: rope_theta at the top, rope_scaling null for plain RoPE, older files spell it "type"
+    config["rope_scaling"] = None if kind == "default" else {"type" if kind == "linear" else "rope_type": kind,
+                                                             **params}
+    (old / "config.json").write_text(json.dumps(config))
+
+    assert read_model_args(old) == read_model_args(folder)
+    assert read_model_args(old).rope_theta == 50000.0 and read_model_args(old).rope_scaling.rope_type == kind
+    with torch.no_grad():
+        logits = gapless.load_model(old)(IDS)
+        assert_close(logits, gapless.load_model(folder)(IDS), atol=0, rtol=0)
+        # and transformers reads the 4.x file the same way
+        assert_close(logits, transformers.AutoModelForCausalLM.from_pretrained(old)(IDS).logits, atol=1e-4, rtol=0)
+
+
+def test_sharded_checkpoint_and_dtypes(hf_checkpoint, tmp_path):
+    hf, _ = hf_checkpoint("qwen2")
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    ours = gapless.load_model(sharded)
+    with torch.no_grad():
+        ref = hf(IDS).logits
+        assert_close(ours(IDS), ref, atol=1e-4, rtol=0)
+        bf16 = gapless.load_model(sharded, dtype="bfloat16")
+        assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+        assert bf16.model.rotary_emb.inv_freq.dtype == torch.float32
+        assert (bf16(IDS).float() - ref).abs().max() < 0.5  # bf16 keeps ~3 significant digits of logits ~6
+    assert gapless.load_model(sharded, dtype=torch.float16).lm_head.weight.dtype == torch.float16
+    assert gapless.load_model(sharded, dtype="auto").lm_head.weight.dtype == torch.float32  # config.json's dtype
+    with pytest.raises(ValueError, match="'bfloat17' is not known; choose one of .*bfloat16"):
+        gapless.load_model(sharded, dtype="bfloat17")
+
+
+def test_tied_checkpoint_without_lm_head_and_old_inv_freq_keys(hf_checkpoint):
+    hf, folder = hf_checkpoint("llama", tie_word_embeddings=True)
+    assert "lm_head.weight" not in read_weight_headers(folder)
+    # some older conversions persisted RoPE buffers; transformers ignores them, so must we
+    _rewrite_weights(folder, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    ours = gapless.load_model(folder)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert not ours.training
+    with torch.no_grad():
+        assert_close(ours(IDS), hf(IDS).logits, atol=1e-4, rtol=0)
+
+
+def test_missing_and_unexpected_keys_in_one_error(hf_checkpoint):
+    _, folder = hf_checkpoint("llama")
+
+    def edit(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.2.mlp.up_proj.weight"] = torch.zeros(96, 64)
+    _rewrite_weights(folder, edit)
+    with pytest.raises(ValueError) as e:
+        gapless.load_model(folder)
+    msg = str(e.value)
+    assert "missing keys: [model.layers.1.mlp.up_proj.weight]" in msg
+    assert "unexpected keys: [model.layers.2.mlp.up_proj.weight]" in msg
+
+
+@pytest.mark.parametrize("kind", ["missing", "unexpected"])
+def test_one_missing_or_unexpected_tensor(hf_checkpoint, kind):
+    _, folder = hf_checkpoint("qwen3", head_dim=24)
+    key = "model.layers.0.self_attn.q_norm.weight"
+    if kind == "missing":
+        _rewrite_weights(folder, lambda t: t.pop(key))
+    else:
+        key = "model.layers.0.self_attn.q_norm.bias"
+        _rewrite_weights(folder, lambda t: t.update({key: torch.zeros(24)}))
+    with pytest.raises(ValueError, match=f"{kind} keys: \\[{key}\\]"):
+        gapless.load_model(folder)
+
+
+def test_shape_mismatch_names_key_and_shapes(hf_checkpoint):
+    _, folder = hf_checkpoint("mistral")
+    _edit_config(folder, intermediate_size=80)
+    with pytest.raises(ValueError) as e:
+        gapless.load_model(folder)
+    assert ("model.layers.1.mlp.down_proj.weight has shape [64, 96] in model.safetensors, "
+            "but config.json implies [64, 80]") in str(e.value)
+    assert "model.layers.0.mlp.gate_proj.weight has shape [96, 64]" in str(e.value)
+
+
+def test_pickle_only_folder_is_refused_and_never_unpickled(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY))
+    marker = tmp_path / "unpickled"
+
+    class Payload:  # unpickling this creates `marker`
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin.*never unpickles.*safe_serialization=True"):
+        gapless.load_model(folder)
+    assert not marker.exists()
+
+
+def test_missing_config_and_missing_weights(tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json: not found"):
+        gapless.load_model(tmp_path)
+    with pytest.raises(ValueError, match="not a folder"):
+        gapless.load_model(tmp_path / "absent")
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no model\.safetensors.*found model-00001-of-00002\.safetensors"):
+        gapless.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2"}, r"model_type: 'gpt2' is not supported; gapless supports llama, mistral, qwen2, qwen3"),
+    ({"model_type": None}, r"model_type: None is not supported"),
+    ({"hidden_size": "64"}, r"config\.json: hidden_size: expected a positive integer, got '64'"),
+    ({"vocab_size": None}, r"vocab_size: required field is missing"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads: 3 does not divide num_attention_heads=4"),
+    ({"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type: 'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\.rope_type: 'longrope'"),
+    ({"rope_scaling": {"type": "linear"}}, r"rope_scaling\.factor: required field is missing"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"rope_parameters\.low_freq_factor: required"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor: 0\.5: partial RoPE is not supported"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, r"quantization_config: pre-quantized"),
+])
+def test_config_errors_name_the_file_and_field(tmp_path, change, message):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **change}))
+    with pytest.raises(ValueError, match=message) as e:
+        read_model_args(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_sliding_window_per_family():
+    def windows(**config):
+        return model_args_from_config({**TINY, **config}).sliding_window
+    assert windows(sliding_window=4) == [None, None]  # llama has no window
+    assert windows(model_type="mistral", sliding_window=4) == [4, 4]
+    assert windows(model_type="mistral", sliding_window=None) == [None, None]
+    assert windows(model_type="mistral") == [4096, 4096]  # MistralConfig's default when the key is absent
+    assert windows(model_type="qwen2", sliding_window=4) == [None, None]  # use_sliding_window defaults to false
+    assert windows(model_type="qwen2", sliding_window=4, use_sliding_window=True, max_window_layers=1) == [None, 4]
+    assert windows(model_type="qwen3", sliding_window=4, use_sliding_window=True,
+                   layer_types=["sliding_attention", "full_attention"]) == [4, None]
+    with pytest.raises(ValueError, match="layer_types: expected 2 entries"):
+        windows(model_type="qwen3", use_sliding_window=True, layer_types=["sliding_attention"])
