@@ -117,7 +117,9 @@ def _segments(q: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None, atte
     if max_seqlen is None:
         raise ValueError(f"attention backend {name!r} needs max_seqlen (the longest segment, a host int the "
                          "batch carries): reading it off cu_seqlens here would sync the host every layer")
-    return cu_seqlens, int(max_seqlen)
+    if isinstance(max_seqlen, Tensor):
+        raise ValueError("max_seqlen must be a host int: a tensor here would sync the host every layer")
+    return cu_seqlens, max_seqlen
 
 
 def _check_cuda_half(name: str, fallback: str, *tensors: Tensor) -> None:
