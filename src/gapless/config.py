@@ -349,3 +349,77 @@ class DataConfig:
         template = self.chat_template
         if template and template.endswith(".jinja") and "{" not in template and not Path(template).expanduser().is_file():
             raise ValueError(f"{where}.chat_template: file {template} not found")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run: model, method, loop settings; `gapless train CONFIG.yaml key=value ...`
+
+
+@dataclass
+class ModelConfig:
+    path: str  # an HF checkpoint folder: config.json + safetensors (sharded or not)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
+    # attention backend, chosen explicitly, never silently: sdpa (plain PyTorch, runs anywhere),
+    # varlen (torch varlen_attn), flex (FlexAttention), fa4 (flash-attn-4); see gapless.kernels.attention
+    attn_backend: str = "sdpa"
+
+    def validate(self, where: str = "model") -> None:
+        if not self.path.strip():
+            raise ValueError(f"{where}.path: empty; give the folder of an HF checkpoint (config.json + *.safetensors)")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"{where}.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+
+
+@dataclass
+class TrainConfig:
+    # length of the run in optimizer steps; 0 = `epochs` passes over the training data
+    steps: int = 0
+    epochs: float = 1.0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    log_every: int = 10  # optimizer steps between metric reads (the only host sync of the loop)
+    eval_every: int = 0  # optimizer steps between evaluations on the held-out split; 0 = only at the end
+    seed: int = 0
+
+    def validate(self, where: str = "train") -> None:
+        if self.steps < 0:
+            raise ValueError(f"{where}.steps: must be >= 0 (0 = run `epochs` passes), got {self.steps}")
+        if self.steps == 0 and not self.epochs > 0:
+            raise ValueError(f"{where}: steps is 0 and epochs is {self.epochs}; set steps > 0 or epochs > 0")
+        for key in ("grad_accum", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{where}.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0:
+            raise ValueError(f"{where}.eval_every: must be >= 0, got {self.eval_every}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    method: Literal["lora"] = "lora"  # qlora and full arrive through the same loop
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: str = "runs/run"
+    resume: bool = False  # continue from the newest complete checkpoint in output_dir
+    progress: bool = True  # a progress bar on a terminal, log lines otherwise
+
+    def validate(self, where: str = "config") -> None:
+        if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_sources):
+            raise ValueError(f"{where}.train.eval_every: {self.train.eval_every} asks for evaluation but there "
+                             "is no held-out data; set data.eval_fraction (e.g. 0.02) or data.eval_sources")
+        if self.resume and not self.checkpoint.every:
+            warnings.warn(f"{where}.resume is true but checkpoint.every is 0: this run writes no checkpoints "
+                          "to resume from later", stacklevel=2)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                data: dict | None = None) -> RunConfig:
+    """The run config from a YAML file (or a dict) with dotted `key=value` overrides applied."""
+    raw = read_yaml(path) if path is not None else dict(data or {})
+    raw = apply_overrides(raw, list(overrides))
+    where = str(path) if path is not None else "config"
+    return from_dict(RunConfig, raw, where)
