@@ -1,0 +1,76 @@
+"""A model -> an HF checkpoint folder that transformers.AutoModelForCausalLM.from_pretrained loads.
+
+Used after full fine-tuning and after `merge_lora`. The config is the source's config.json with
+only the dtype updated, weights are safetensors (sharded with model.safetensors.index.json above
+`max_shard_bytes`, named as transformers names them), and generation_config.json plus the
+tokenizer files are copied from the source folder when it has them.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import nn
+
+from gapless.model.loading import read_config
+
+# transformers 4.x defaulted to 5 GB shards (5.x to 50 GB); 5 GB files suit hub uploads and older readers
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                "chat_template.json")
+
+
+def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Path | None = None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` (a CausalLM without LoRA layers) as an HF folder; source_dir defaults to where it was loaded from."""
+    if any(".lora_A." in name for name, _ in model.named_parameters()):
+        raise ValueError("the model still has LoRA layers; call merge_lora(model) before saving a merged folder "
+                         "(or save_adapter for a PEFT adapter)")
+    source = Path(source_dir) if source_dir is not None else getattr(model, "source_dir", None)
+    config = dict(model.config_dict) if getattr(model, "config_dict", None) else (
+        read_config(source) if source is not None else None)
+    if config is None:
+        raise ValueError("save_pretrained: pass source_dir (the base model's folder) for its config.json")
+    out = Path(out_dir)
+    if source is not None and out.resolve() == Path(source).resolve():
+        raise ValueError(f"{out}: is the source folder; write the model to a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+    state = model.state_dict()
+    if model.args.tie_word_embeddings:  # transformers re-ties lm_head to the embedding on load
+        del state["lm_head.weight"]
+    dtype = state["model.embed_tokens.weight"].dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = dtype_name  # transformers 4.x reads this key
+    config["dtype"] = dtype_name  # and 5.x this one
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()  # shards of an earlier export would otherwise mix with these
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, keys in zip(names, shards):
+        # one shard at a time on the CPU: the peak extra memory is one shard, not the model
+        save_file({k: state[k].detach().to("cpu").contiguous() for k in keys}, out / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    if source is not None:
+        for name in COPIED_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copy2(Path(source) / name, out / name)
+    return out

@@ -1,0 +1,240 @@
+"""LoRA as a transform of a built model, saved and loaded in PEFT's format, and merged for export.
+
+`apply_lora` swaps each targeted nn.Linear for a LoraLinear that keeps the base `weight`/`bias`
+under the same names (so base keys stay HF's) and adds `lora_A`/`lora_B`, so our key
+`model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`.
+The update is PEFT's: y = W x + b + scaling * B A dropout(x), scaling = alpha / r (alpha / sqrt(r)
+with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from gapless.config import ALL_LINEAR, LoraConfig
+from gapless.model.export import save_pretrained  # noqa: F401  (merged export, the step after merge_lora)
+from gapless.model.loading import PICKLE_SUFFIXES
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json keys that describe the file or only the initialisation, never the loaded math
+_INFORMATIONAL = {"peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                  "inference_mode", "megatron_core", "qalora_group_size", "loftq_config", "eva_config",
+                  "corda_config", "lora_ga_config", "layers_pattern", "ensure_weight_tying"}
+# the keys we read; any other key with a non-empty value is an option we do not implement
+_READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "bias", "init_lora_weights",
+         "fan_in_fan_out"}
+
+
+class LoraLinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update, with PEFT's parameter names."""
+
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        # the base layer's own Parameters, not copies: same memory, same state-dict keys
+        self.register_parameter("weight", base.weight)
+        self.register_parameter("bias", base.bias)
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = scaling
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        # PEFT's init_lora_weights=True: nn.Linear's own Kaiming-uniform for A, zeros for B
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        # the adapter runs in its own dtype (float32 by default, as PEFT's autocast_adapter_dtype does)
+        # and its result joins the base output in the base dtype
+        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        return out + (update * self.scaling).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"r={self.lora_A.out_features}, scaling={self.scaling:g}")
+
+
+def _lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Add LoRA to the decoder layers' linear projections named by cfg.target_modules; freeze all else."""
+    cfg.validate()
+    if _lora_layers(model):
+        raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
+    targets = [name for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.startswith("model.layers.")
+               and name.rsplit(".", 1)[-1] in cfg.target_modules]
+    assert targets, f"no linear layers named {cfg.target_modules} under model.layers"
+    for name in targets:
+        _set_submodule(model, name, LoraLinear(model.get_submodule(name), cfg.r, cfg.scaling, cfg.dropout,
+                                               adapter_dtype))
+    for name, p in model.named_parameters():
+        p.requires_grad = name.endswith((".lora_A.weight", ".lora_B.weight"))
+    model.lora_config = cfg
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter weights under PEFT's saved key names (`base_model.model.<our name>`)."""
+    return {PEFT_PREFIX + k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, cfg: LoraConfig | None = None,
+                 base_model_name_or_path: str | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors that peft.PeftModel.from_pretrained loads.
+
+    cfg defaults to the one apply_lora used; base_model_name_or_path to the folder the model came from.
+    """
+    cfg = cfg or getattr(model, "lora_config", None)
+    if cfg is None or not _lora_layers(model):
+        raise ValueError("the model has no LoRA layers to save; call apply_lora(model, cfg) first")
+    source = getattr(model, "source_dir", None)
+    base = base_model_name_or_path or (str(Path(source).resolve()) if source else None)
+    if base is None:
+        raise ValueError("save_adapter: pass base_model_name_or_path (a hub id or the base model's folder)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
+    # keys every peft >= 0.13 knows; the rest of PEFT's options keep their defaults
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
+        "inference_mode": True, "r": cfg.r, "lora_alpha": alpha, "lora_dropout": cfg.dropout,
+        "target_modules": list(cfg.target_modules), "use_rslora": cfg.use_rslora, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return out
+
+
+def read_adapter_config(adapter_dir: str | Path, model: nn.Module) -> LoraConfig:
+    """A LoraConfig from PEFT's adapter_config.json for `model`; options gapless does not implement are refused."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; a PEFT adapter folder holds adapter_config.json and "
+                         f"{ADAPTER_WEIGHTS}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported; gapless loads LORA adapters")
+    if raw.get("task_type") not in (None, "CAUSAL_LM"):
+        raise ValueError(f"{path}: task_type {raw['task_type']!r} is not supported; gapless loads CAUSAL_LM adapters")
+    refused = [k for k, v in raw.items() if k not in _INFORMATIONAL | _READ and v not in (None, False, {}, [], "")]
+    if raw.get("bias", "none") != "none":
+        refused.append("bias")
+    if raw.get("fan_in_fan_out"):
+        refused.append("fan_in_fan_out")
+    if raw.get("init_lora_weights", True) not in (True, False, "gaussian"):
+        # PiSSA, OLoRA, CorDA, LoftQ... adapters assume a base model rewritten at initialisation
+        refused.append("init_lora_weights")
+    if refused:
+        raise ValueError(f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in refused)} not supported; gapless loads "
+                         "plain LoRA adapters (r, lora_alpha, lora_dropout, target_modules, use_rslora) only, "
+                         "and will not ignore an option that changes the model")
+    for key in ("r", "lora_alpha"):
+        if key not in raw:
+            raise ValueError(f"{path}: {key}: required field is missing")
+    cfg = LoraConfig(r=raw["r"], alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout", 0.0)),
+                     target_modules=_resolve_targets(raw.get("target_modules"), model, path),
+                     use_rslora=bool(raw.get("use_rslora", False)))
+    cfg.validate(where=str(path))
+    return cfg
+
+
+def _resolve_targets(targets, model: nn.Module, path: Path) -> list[str]:
+    """PEFT's target_modules (short names, full module paths, or "all-linear") -> our short names.
+
+    PEFT adapts every module whose name equals an entry or ends with "." + entry, and skips entries
+    that match nothing; the result must be whole projection kinds on every layer, which is what
+    LoraConfig can express.
+    """
+    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+        return list(ALL_LINEAR)
+    if not isinstance(targets, list):
+        raise ValueError(f"{path}: target_modules {targets!r}: a regular expression is not supported; "
+                         f"list module names among {list(ALL_LINEAR)}")
+    names = [name for name, _ in model.named_modules()]
+    adaptable = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)
+                 and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in ALL_LINEAR}
+    matched = {name for name in names for t in targets if name == t or name.endswith("." + t)}
+    outside = sorted({t for t in targets for name in matched - adaptable if name == t or name.endswith("." + t)})
+    if outside:
+        raise ValueError(f"{path}: target_modules: {outside} not supported; gapless puts LoRA only on "
+                         f"{list(ALL_LINEAR)} of the decoder layers")
+    kinds = {name.rsplit(".", 1)[-1] for name in matched}
+    partial = sorted({name for name in adaptable if name.rsplit(".", 1)[-1] in kinds} - matched)
+    if partial:
+        raise ValueError(f"{path}: target_modules adapts some layers but not {partial[:4]}...; gapless adapts "
+                         "a projection on every layer or on none")
+    return [t for t in ALL_LINEAR if t in kinds]
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, LoraConfig]:
+    """Apply LoRA as a PEFT adapter folder describes it and load its weights; returns (model, its LoraConfig)."""
+    adapter_dir = Path(adapter_dir)
+    if _lora_layers(model):
+        raise ValueError("the model already has LoRA layers; load an adapter onto a plain model")
+    cfg = read_adapter_config(adapter_dir, model)
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickles = sorted(p.name for p in adapter_dir.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+        raise ValueError(f"{weights}: not found" + (
+            f"; {', '.join(pickles)} is a pickle, which gapless never unpickles: re-save the adapter with "
+            "PEFT's save_pretrained(out_dir, safe_serialization=True)" if pickles else ""))
+    apply_lora(model, cfg)
+    ours = model.state_dict()
+    with safe_open(weights, framework="pt") as st:
+        found = set(st.keys())
+        expected = set(lora_state_dict(model))
+        missing, unexpected = sorted(expected - found), sorted(found - expected)
+        if missing or unexpected:
+            raise ValueError(f"{weights}: does not match adapter_config.json on this model; "
+                             f"missing keys: {missing}; unexpected keys: {unexpected}")
+        for key in sorted(expected):
+            ours_t = ours[key[len(PEFT_PREFIX):]]
+            shape = tuple(st.get_slice(key).get_shape())
+            if shape != tuple(ours_t.shape):
+                raise ValueError(f"{weights}: {key} has shape {list(shape)}, but the model and r={cfg.r} "
+                                 f"imply {list(ours_t.shape)}")
+            with torch.no_grad():
+                ours_t.copy_(st.get_tensor(key))
+    return model, cfg
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every LoRA update into its base weight (W + scaling * B A) and go back to plain nn.Linear."""
+    for name, layer in _lora_layers(model).items():
+        delta = (layer.lora_B.weight.float() @ layer.lora_A.weight.float()) * layer.scaling  # [out, in]
+        merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        merged.weight = nn.Parameter((layer.weight.float() + delta).to(layer.weight.dtype),
+                                     requires_grad=layer.weight.requires_grad)
+        merged.bias = layer.bias
+        _set_submodule(model, name, merged)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model
