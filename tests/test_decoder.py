@@ -18,12 +18,15 @@ CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    # original context 32 with head_dim 16 and theta 5e5 puts frequencies in all three llama3 bands
+    # head_dim 16, theta 5e5 and an original context of 64 put wavelengths (6.3, 32, 167, ...) in all
+    # three llama3 bands: kept (< 64 / 4), blended, interpolated (> 64 / 1)
     "llama-llama3": ("llama", {"rope_parameters": {
         "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 500000.0}}),
+        "original_max_position_embeddings": 64, "rope_theta": 500000.0}}),
+    # beta_slow 0.25 puts the ramp's upper end at dimension 2.02, so truncating it (to 3) matters
     "llama-yarn": ("llama", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}}),
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_slow": 0.25,
+        "rope_theta": 10000.0}}),
     "qwen2": ("qwen2", {}),
     # the window on layer 1 only (max_window_layers=1), and shorter than the documents
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
@@ -97,8 +100,11 @@ def test_hidden_states_lm_head_and_explicit_positions(hf_checkpoint):
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
+    seen = []  # RoPE is relative, so logits alone cannot show where positions restart: watch them
+    ours.model.rotary_emb.register_forward_hook(lambda module, args, out: seen.append(args[0]))
     with torch.no_grad():
         logits = ours(ids, cu_seqlens=cu)
+        assert seen[0].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]]
         h = ours.hidden_states(ids, cu_seqlens=cu)
         explicit = ours(ids, position_ids=positions_from_cu_seqlens(cu, 2, 8), cu_seqlens=cu, max_seqlen=8)
     assert h.shape == (2, 8, 64)

@@ -34,7 +34,8 @@ ROPES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16,
+             "beta_slow": 0.25, "truncate": False},
 }
 
 

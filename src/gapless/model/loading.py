@@ -72,19 +72,19 @@ class _Fields:
             return default
         return source[name]
 
-    def int(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
+    def integer(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
         value = self.get(name, default, source)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise self.error(name, f"expected a positive integer, got {value!r}")
         return value
 
-    def float(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
+    def number(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
         value = self.get(name, default, source)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise self.error(name, f"expected a positive number, got {value!r}")
         return None if value is None else float(value)
 
-    def bool(self, name: str, default: Any = _MISSING, source: dict | None = None) -> bool:
+    def flag(self, name: str, default: Any = _MISSING, source: dict | None = None) -> bool:
         value = self.get(name, default, source)
         if not isinstance(value, bool):
             raise self.error(name, f"expected true or false, got {value!r}")
@@ -107,14 +107,14 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         warnings.warn(f"{where}: attention_dropout={config['attention_dropout']} is ignored; "
                       "gapless applies no dropout inside attention", stacklevel=2)
 
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    layers = f.int("num_hidden_layers")
-    kv_heads = f.int("num_key_value_heads", heads)
+    hidden = f.integer("hidden_size")
+    heads = f.integer("num_attention_heads")
+    layers = f.integer("num_hidden_layers")
+    kv_heads = f.integer("num_key_value_heads", heads)
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
     # transformers' Qwen3Config defaults head_dim to 128 rather than hidden_size / heads
-    head_dim = f.int("head_dim", 128 if model_type == "qwen3" else None)
+    head_dim = f.integer("head_dim", 128 if model_type == "qwen3" else None)
     if head_dim is None:
         if hidden % heads:
             raise f.error("head_dim", f"missing, and hidden_size={hidden} is not a multiple of "
@@ -122,28 +122,28 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         head_dim = hidden // heads
     if head_dim % 2:
         raise f.error("head_dim", f"RoPE needs an even head dimension, got {head_dim}")
-    max_positions = f.int("max_position_embeddings", None)
+    max_positions = f.integer("max_position_embeddings", None)
     rope_theta, rope_scaling = _read_rope(f, max_positions)
 
-    attention_bias = f.bool("attention_bias", False) if model_type in ("llama", "qwen3") else False
+    attention_bias = f.flag("attention_bias", False) if model_type in ("llama", "qwen3") else False
     return ModelArgs(
         model_type=model_type,
-        vocab_size=f.int("vocab_size"),
+        vocab_size=f.integer("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size"),
+        intermediate_size=f.integer("intermediate_size"),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        tie_word_embeddings=f.flag("tie_word_embeddings", False),
         # qwen2 always has q/k/v bias and never an o_proj bias; llama and qwen3 put attention_bias on all four
         attention_bias=attention_bias or model_type == "qwen2",
         o_proj_bias=attention_bias,
-        mlp_bias=f.bool("mlp_bias", False) if model_type == "llama" else False,
+        mlp_bias=f.flag("mlp_bias", False) if model_type == "llama" else False,
         qk_norm=model_type == "qwen3",
         sliding_window=_read_sliding_window(f, model_type, layers),
         bos_token_id=config.get("bos_token_id"),
@@ -161,7 +161,7 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise f.error(name, f"expected one mapping of RoPE parameters (per-layer-type RoPE is not "
                             f"supported), got {params!r}")
-    theta = f.float("rope_theta", None, source=params) or f.float("rope_theta", 10000.0)
+    theta = f.number("rope_theta", None, source=params) or f.number("rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in ROPE_TYPES:
         raise f.error(f"{name}.rope_type", f"{rope_type!r} is not supported; gapless supports "
@@ -172,7 +172,7 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
     if rope_type == "default":
         return theta, RopeScaling()
 
-    def field(key: str, default: Any = _MISSING, kind: str = "float") -> Any:
+    def field(key: str, default: Any = _MISSING, kind: str = "number") -> Any:
         try:
             return getattr(f, kind)(key, default, source=params)
         except ValueError as e:
@@ -182,8 +182,8 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
         return theta, RopeScaling(rope_type="linear", factor=field("factor"))
     # the pretraining context: a top-level field wins (as in transformers), else the rope mapping's,
     # else max_position_embeddings
-    original = f.int("original_max_position_embeddings", None) or field(
-        "original_max_position_embeddings", max_positions, "int")
+    original = f.integer("original_max_position_embeddings", None) or field(
+        "original_max_position_embeddings", max_positions, "integer")
     if original is None:
         raise f.error(f"{name}.original_max_position_embeddings",
                       f"{rope_type} RoPE needs it (or max_position_embeddings)")
@@ -199,7 +199,7 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
         rope_type="yarn", factor=factor, original_max_position_embeddings=original,
         beta_fast=field("beta_fast", 32.0), beta_slow=field("beta_slow", 1.0),
         attention_factor=field("attention_factor", None), mscale=field("mscale", None),
-        mscale_all_dim=field("mscale_all_dim", None), truncate=field("truncate", True, "bool"))
+        mscale_all_dim=field("mscale_all_dim", None), truncate=field("truncate", True, "flag"))
 
 
 def _read_sliding_window(f: _Fields, model_type: str, layers: int) -> list[int | None]:
@@ -208,13 +208,13 @@ def _read_sliding_window(f: _Fields, model_type: str, layers: int) -> list[int |
         return [None] * layers
     if model_type == "mistral":
         # MistralConfig's default is 4096 when the field is absent; null (Mistral v0.2+) means none
-        window = f.int("sliding_window", None) if "sliding_window" in f.config else 4096
+        window = f.integer("sliding_window", None) if "sliding_window" in f.config else 4096
         return [window] * layers
     # qwen2 / qwen3: a window only with use_sliding_window, and only on the layers layer_types names
     # (by default those at index >= max_window_layers)
-    if not f.bool("use_sliding_window", False):
+    if not f.flag("use_sliding_window", False):
         return [None] * layers
-    window = f.int("sliding_window", 4096)
+    window = f.integer("sliding_window", 4096)
     layer_types = f.get("layer_types", None)
     if layer_types is None:
         max_window_layers = f.get("max_window_layers", 28)
