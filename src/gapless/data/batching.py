@@ -1,0 +1,376 @@
+"""Batching: tokenized documents -> one Batch type, packed or padded, in a seeded, resumable order.
+
+Strategies (data.batching), all giving the same Batch:
+  packed          documents packed into rows of max_seq_len slots (best-fit or first-fit decreasing);
+                  tokens_per_batch // max_seq_len rows per batch; cu_seqlens and per-document
+                  position_ids keep attention and the loss inside each document
+  padded          dynamic padding: documents in shuffled order, each batch padded to its longest
+                  document rounded up to pad_to_multiple_of, as many as fit in tokens_per_batch slots
+  length_grouped  the same, but documents of similar length are batched together (sorted inside
+                  shuffled mega-batches of ~50 batches, then the batches shuffled)
+  pad_to_max      every document padded to max_seq_len, tokens_per_batch // max_seq_len per batch;
+                  kept on purpose: the gap report measures what padding costs
+Packing efficiency = real tokens / slots (B * T) over an epoch's batches.
+
+The order of epoch e is a function of (seed, e) only, so the sampler's state is two integers
+(epoch, position) and a resumed run continues with exactly the next batch.
+"""
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gapless.config import DataConfig, SourceConfig
+from gapless.data.cache import TokenizedDataset
+
+IGNORE = -100  # targets that are not trained (cross_entropy's ignore_index)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64
+    # [B, T] int64: the token position t must predict (input_ids[t+1] of the same document) where
+    # that token is trained, else -100 (prompt, padding, each document's last token). Already
+    # shifted: loss = cross_entropy(logits[b, t], targets[b, t]) with no further shift.
+    targets: torch.Tensor
+    position_ids: torch.Tensor  # [B, T] int64, restarting at 0 for every document
+    # int32 [segments + 1]: offsets into the flattened B*T tokens, last == B*T; the unused tail of a
+    # packed row is its own segment (padding). None for padded strategies.
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int  # longest segment (packed) or T (padded)
+    attention_mask: torch.Tensor | None  # [B, T] int64, 1 = real, 0 = padding; None for packed
+    num_real_tokens: int  # host ints counted while building the batch: reading them needs no device sync
+    num_target_tokens: int
+    num_slots: int  # B * T
+
+    def to(self, device, non_blocking: bool = True) -> Batch:
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.cu_seqlens),
+                     self.max_seqlen, move(self.attention_mask), self.num_real_tokens, self.num_target_tokens,
+                     self.num_slots)
+
+    def pin_memory(self) -> Batch:
+        def pin(t):
+            return None if t is None else t.pin_memory()
+
+        return Batch(pin(self.input_ids), pin(self.targets), pin(self.position_ids), pin(self.cu_seqlens),
+                     self.max_seqlen, pin(self.attention_mask), self.num_real_tokens, self.num_target_tokens,
+                     self.num_slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixing sources
+
+
+class Mixture:
+    """Several tokenized sources, each contributing `counts[s]` documents to every epoch.
+
+    Documents are addressed by a global id: source s's document j is offsets[s] + j.
+    """
+
+    def __init__(self, datasets: list[TokenizedDataset], counts: list[int], names: list[str]):
+        assert len(datasets) == len(counts) == len(names)
+        self.datasets, self.counts, self.names = datasets, counts, names
+        self.offsets = np.cumsum([0] + [len(d) for d in datasets])
+        self.lengths = np.concatenate([d.lengths for d in datasets]) if datasets else np.zeros(0, np.int64)
+
+    @classmethod
+    def from_config(cls, datasets: list[TokenizedDataset], sources: list[SourceConfig], names: list[str]) -> Mixture:
+        return cls(datasets, documents_per_epoch([len(d) for d in datasets], sources), names)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def pad_id(self) -> int:
+        return self.datasets[0].pad_id if self.datasets else 0
+
+    def doc(self, gid: int) -> tuple[np.ndarray, np.ndarray]:
+        s = int(np.searchsorted(self.offsets, gid, side="right")) - 1
+        return self.datasets[s][gid - self.offsets[s]]
+
+    def epoch_docs(self, seed: int, epoch: int) -> np.ndarray:
+        """Global ids of the documents of one epoch, unshuffled: each source's share, repeats included."""
+        parts = []
+        for s, (n, k) in enumerate(zip(np.diff(self.offsets), self.counts)):
+            if n == 0 or k == 0:
+                continue
+            full, rest = divmod(k, n)
+            local = np.tile(np.arange(n), full)
+            if rest:  # a seeded subset of the source, different every epoch
+                rng = np.random.default_rng([seed, epoch, s, 0x5A3])
+                local = np.concatenate([local, np.sort(rng.choice(n, rest, replace=False))])
+            parts.append(self.offsets[s] + local)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def documents_per_epoch(sizes: list[int], sources: list[SourceConfig]) -> list[int]:
+    """Each source's documents per epoch: epochs * size, or its weight's share of the weighted sources."""
+    weighted = [i for i, s in enumerate(sources) if s.weight is not None]
+    pool = sum(sizes[i] for i in weighted)
+    total_weight = sum(sources[i].weight for i in weighted)
+    counts = []
+    for size, src in zip(sizes, sources):
+        if src.weight is not None:
+            counts.append(int(round(src.weight / total_weight * pool)))
+        else:
+            counts.append(int(round((src.epochs if src.epochs is not None else 1.0) * size)))
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+
+
+def pack_best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: each document, longest first, into the fullest row it still fits.
+
+    Returns rows as lists of indices into `lengths`. O(n log n) with a sorted list of open rows.
+    """
+    order = np.argsort(-lengths, kind="stable")  # stable: ties keep the (shuffled) input order
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free slots, row), sorted; full rows leave the list
+    for i in order.tolist():
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n, r))
+    return rows
+
+
+def pack_first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing: each document, longest first, into the first opened row it fits.
+
+    A max-tree over the rows' free slots finds that row in O(log rows).
+    """
+    order = np.argsort(-lengths, kind="stable")
+    size = 1
+    while size < max(len(lengths), 1):
+        size *= 2
+    tree = [0] * (2 * size)  # tree[size + r] = free slots of row r (0 until opened)
+    rows: list[list[int]] = []
+    for i in order.tolist():
+        n = int(lengths[i])
+        if tree[1] >= n:
+            node = 1
+            while node < size:
+                node = 2 * node if tree[2 * node] >= n else 2 * node + 1
+            r = node - size
+        else:
+            r = len(rows)
+            rows.append([])
+            node = size + r
+            tree[node] = capacity
+        rows[r].append(i)
+        tree[node] -= n
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return rows
+
+
+PACKERS = {"best_fit": pack_best_fit, "first_fit": pack_first_fit}
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampler
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class BatchSampler:
+    """An endless, seeded, resumable stream of Batches over a Mixture.
+
+    Iterating yields batch `position` of epoch `epoch`, then advances; after the last batch of an
+    epoch comes the first of the next. `state_dict()` taken after a batch was yielded resumes with
+    the batch after it.
+    """
+
+    def __init__(self, mix: Mixture, *, strategy: str = "packed", max_seq_len: int, tokens_per_batch: int,
+                 pad_to_multiple_of: int = 8, pack_algorithm: str = "best_fit", seed: int = 0,
+                 pad_id: int | None = None, shuffle: bool = True):
+        if tokens_per_batch < max_seq_len:
+            raise ValueError(f"tokens_per_batch {tokens_per_batch} is less than max_seq_len {max_seq_len}")
+        longest = int(mix.lengths.max()) if len(mix) else 0
+        if longest > max_seq_len:
+            raise ValueError(f"a document has {longest} tokens, more than max_seq_len {max_seq_len}; "
+                             "tokenize with the same data.max_seq_len")
+        self.mix, self.strategy, self.max_seq_len = mix, strategy, max_seq_len
+        self.tokens_per_batch, self.pad_to_multiple_of = tokens_per_batch, pad_to_multiple_of
+        self.pack_algorithm, self.seed, self.shuffle = pack_algorithm, seed, shuffle
+        self.pad_id = mix.pad_id if pad_id is None else pad_id
+        self.rows_per_batch = tokens_per_batch // max_seq_len
+        if strategy in ("packed", "pad_to_max") and tokens_per_batch % max_seq_len:
+            warnings.warn(f"tokens_per_batch {tokens_per_batch} is not a multiple of max_seq_len {max_seq_len}: "
+                          f"batches hold {self.rows_per_batch * max_seq_len} slots", stacklevel=2)
+        self.epoch, self.position = 0, 0
+        self._plan_epoch, self._plan = -1, []
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, mix: Mixture, *, shuffle: bool = True) -> BatchSampler:
+        return cls(mix, strategy=cfg.batching, max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch,
+                   pad_to_multiple_of=cfg.pad_to_multiple_of, pack_algorithm=cfg.pack_algorithm, seed=cfg.seed,
+                   shuffle=shuffle)
+
+    # -- the plan of an epoch: a list of batches, each a list of rows (packed) or documents (padded)
+
+    def plan(self, epoch: int) -> list[list]:
+        if epoch != self._plan_epoch:
+            self._plan, self._plan_epoch = self._make_plan(epoch), epoch
+        return self._plan
+
+    def _make_plan(self, epoch: int) -> list[list]:
+        docs = self.mix.epoch_docs(self.seed, epoch)
+        rng = np.random.default_rng([self.seed, epoch, 0xBA7C])
+        if self.shuffle:
+            docs = docs[rng.permutation(len(docs))]
+        lengths = self.mix.lengths[docs]
+        if self.strategy == "packed":
+            rows = [[int(docs[i]) for i in row] for row in PACKERS[self.pack_algorithm](lengths, self.max_seq_len)]
+            if self.shuffle:  # packing sorted the documents by length; spread long and short rows again
+                rows = [rows[i] for i in rng.permutation(len(rows))]
+            b = self.rows_per_batch
+            return [rows[i:i + b] for i in range(0, len(rows), b)]
+        if self.strategy == "pad_to_max":
+            b = self.rows_per_batch
+            return [docs[i:i + b].tolist() for i in range(0, len(docs), b)]
+        if self.strategy == "padded":
+            return self._fill(docs.tolist(), lengths.tolist())
+        assert self.strategy == "length_grouped", self.strategy
+        per_batch = max(1, self.tokens_per_batch // max(1, int(lengths.mean()) if len(lengths) else 1))
+        mega = 50 * per_batch
+        batches = []
+        for i in range(0, len(docs), mega):
+            d, n = docs[i:i + mega], lengths[i:i + mega]
+            order = np.argsort(-n, kind="stable")
+            batches += self._fill(d[order].tolist(), n[order].tolist())
+        return [batches[i] for i in rng.permutation(len(batches))] if self.shuffle else batches
+
+    def _fill(self, docs: list[int], lengths: list[int]) -> list[list[int]]:
+        """Greedy: add documents while (count) * (longest, rounded up) fits in tokens_per_batch slots."""
+        batches, cur, longest = [], [], 0
+        for d, n in zip(docs, lengths):
+            t = _round_up(max(longest, n), self.pad_to_multiple_of)
+            if cur and (len(cur) + 1) * t > self.tokens_per_batch:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(d)
+            longest = max(longest, n)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    # -- batches
+
+    def collate(self, item: list) -> Batch:
+        if self.strategy == "packed":
+            return self._packed(item)
+        t = self.max_seq_len if self.strategy == "pad_to_max" else _round_up(
+            max(int(self.mix.lengths[d]) for d in item), self.pad_to_multiple_of)
+        return self._padded(item, t)
+
+    def _packed(self, rows: list[list[int]]) -> Batch:
+        b, t = self.rows_per_batch, self.max_seq_len
+        ids = np.full((b, t), self.pad_id, np.int64)
+        targets = np.full((b, t), IGNORE, np.int64)
+        pos = np.zeros((b, t), np.int64)
+        seqlens = []
+        for r in range(b):
+            c = 0
+            for d in rows[r] if r < len(rows) else []:
+                x, m = self.mix.doc(d)
+                n = len(x)
+                ids[r, c:c + n] = x
+                targets[r, c:c + n - 1] = np.where(m[1:] == 1, x[1:], IGNORE)
+                pos[r, c:c + n] = np.arange(n)
+                seqlens.append(n)
+                c += n
+            if c < t:  # the unused tail of the row: a segment of its own, all padding
+                pos[r, c:] = np.arange(t - c)
+                seqlens.append(t - c)
+        real = sum(int(self.mix.lengths[d]) for row in rows for d in row)
+        cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
+        return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), torch.from_numpy(cu),
+                     int(max(seqlens)), None, real, int((targets != IGNORE).sum()), b * t)
+
+    def _padded(self, docs: list[int], t: int) -> Batch:
+        b = len(docs)
+        ids = np.full((b, t), self.pad_id, np.int64)
+        targets = np.full((b, t), IGNORE, np.int64)
+        attn = np.zeros((b, t), np.int64)
+        for r, d in enumerate(docs):
+            x, m = self.mix.doc(d)
+            n = len(x)
+            ids[r, :n] = x
+            targets[r, :n - 1] = np.where(m[1:] == 1, x[1:], IGNORE)
+            attn[r, :n] = 1
+        pos = np.broadcast_to(np.arange(t), (b, t)).copy()
+        return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), None, t,
+                     torch.from_numpy(attn), int(attn.sum()), int((targets != IGNORE).sum()), b * t)
+
+    # -- iteration and state
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            plan = self.plan(self.epoch)
+            if not plan:
+                raise ValueError("no documents to batch: every source is empty after reading and filtering")
+            if self.position >= len(plan):
+                self.epoch, self.position = self.epoch + 1, 0
+                continue
+            item = plan[self.position]
+            self.position += 1
+            yield self.collate(item)
+
+    def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
+        """The batches of one epoch, leaving the sampler's state alone (for eval and inspection)."""
+        for item in self.plan(epoch):
+            yield self.collate(item)
+
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        return len(self.plan(epoch))
+
+    def efficiency(self, epoch: int = 0) -> float:
+        """Real tokens / slots over the epoch's batches."""
+        plan = self.plan(epoch)
+        if not plan:
+            return 0.0
+        lengths = self.mix.lengths
+        if self.strategy == "packed":
+            real = sum(int(lengths[d]) for batch in plan for row in batch for d in row)
+            return real / (len(plan) * self.rows_per_batch * self.max_seq_len)
+        real = slots = 0
+        for batch in plan:
+            n = lengths[batch]
+            real += int(n.sum())
+            t = self.max_seq_len if self.strategy == "pad_to_max" else _round_up(int(n.max()), self.pad_to_multiple_of)
+            slots += len(batch) * t
+        return real / slots
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "strategy": self.strategy,
+                "num_docs": len(self.mix), "max_seq_len": self.max_seq_len, "tokens_per_batch": self.tokens_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "strategy", "num_docs", "max_seq_len", "tokens_per_batch"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data: cannot resume: the saved sampler had {key}={state[key]!r}, this run has "
+                                 f"{mine[key]!r}; the batch order would not continue where it stopped")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,322 @@
+"""Readers: the files users have -> `Example` records (a conversation in messages form, or plain text).
+
+Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, renamed by `columns`):
+  messages           {"messages": [{"role", "content"}, ...], "tools"?}
+  sharegpt           {"conversations": [{"from", "value"}, ...], "tools"?, "system"?}; roles mapped
+  alpaca             {"instruction", "input"?, "output" (or "response"), "system"?}
+  prompt_completion  {"prompt", "completion", "system"?}
+  text               {"text"} for continued pre-training
+Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow; globs;
+folders of such files; folders written by datasets' `save_to_disk`.
+
+A bad record is never dropped here: it comes out as a `RecordError` naming the file, the line
+(or row) and the field, and the caller raises it or counts it by `reason`, as the config says.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gapless.config import SourceConfig
+
+# Role names a file may use, mapped onto config.CHAT_ROLES; SourceConfig.roles adds to or overrides them.
+DEFAULT_ROLES = {
+    "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+    "human": "user", "gpt": "assistant", "function_call": "tool_call", "observation": "tool",
+}
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+            ".csv": "csv", ".arrow": "arrow"}
+# The reasons a record is skipped under on_error: skip (the summary counts each).
+MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
+    "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
+
+
+class RecordError(ValueError):
+    """One bad input record: `where` is file:line (or `file row N`), `reason` one of the constants above."""
+
+    def __init__(self, where: str, field: str | None, reason: str, problem: str):
+        self.where, self.field, self.reason, self.problem = where, field, reason, problem
+        super().__init__(f"{where}: {field}: {problem}" if field else f"{where}: {problem}")
+
+    def __reduce__(self):  # pickled across tokenizer worker processes
+        return RecordError, (self.where, self.field, self.reason, self.problem)
+
+
+@dataclass
+class Example:
+    where: str  # file:line or `file row N`, for messages about this record
+    messages: list[dict] | None = None  # [{"role", "content", ...}], roles in user/assistant/system/tool
+    tools: list | None = None  # tool definitions (JSON schema dicts) for the chat template
+    text: str | None = None  # plain text (format text)
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def resolve_files(path: str) -> list[Path]:
+    """A file, a glob, a folder of data files, or a datasets save_to_disk folder -> the data files."""
+    expanded = str(Path(path).expanduser())
+    if glob.has_magic(expanded):
+        matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True))
+        if not matches:
+            raise ValueError(f"{path}: no files match this pattern")
+        return [f for m in matches for f in _expand(m, path)]
+    p = Path(expanded)
+    if not p.exists():
+        raise ValueError(f"{path}: no such file or folder")
+    return _expand(p, path)
+
+
+def _expand(p: Path, given: str) -> list[Path]:
+    if p.is_file():
+        if p.suffix.lower() not in SUFFIXES:
+            raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {sorted(SUFFIXES)}")
+        return [p]
+    if (p / "state.json").is_file():  # datasets.Dataset.save_to_disk: Arrow stream shards listed in state.json
+        state = json.loads((p / "state.json").read_text())
+        return [p / f["filename"] for f in state.get("_data_files", [])]
+    if (p / "dataset_dict.json").is_file():
+        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{given}: a DatasetDict folder with splits {splits}; point the path at one, "
+                         f"e.g. {p / (splits[0] if splits else 'train')}")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in SUFFIXES)
+    if not files:
+        raise ValueError(f"{given}: folder has no {'/'.join(sorted(SUFFIXES))} files")
+    return files
+
+
+def read_rows(file: Path) -> Iterator[tuple[str, dict | RecordError]]:
+    """(where, row) for each record of a file; a row that is not a JSON object comes as a RecordError."""
+    kind = SUFFIXES[file.suffix.lower()]
+    if kind == "jsonl":
+        with open(file, encoding="utf-8") as f:  # lines end at \n only: str.splitlines would also split
+            yield from _jsonl_rows(file, f)     # at U+2028 and friends, which JSON strings may hold raw
+    elif kind == "json":
+        yield from _json_rows(file)
+    elif kind == "csv":
+        yield from _csv_rows(file)
+    else:
+        yield from _arrow_rows(file, kind)
+
+
+def _jsonl_rows(file: Path, lines: Iterable[str]):
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield where, RecordError(where, None, MALFORMED_JSON, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        yield where, row if isinstance(row, dict) else RecordError(
+            where, None, BAD_VALUE, f"expected a JSON object, got {type(row).__name__}")
+
+
+_WS = re.compile(r"\s*")
+
+
+def _json_rows(file: Path):
+    """A JSON array of objects (each located by the line it starts on), else one object per line."""
+    text = file.read_text(encoding="utf-8")
+    i = _WS.match(text).end()
+    if not text.startswith("[", i):
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError:  # not one document: treat it as JSON lines
+            yield from _jsonl_rows(file, text.split("\n"))
+            return
+        yield f"{file}:{text.count(chr(10), 0, i) + 1}", row if isinstance(row, dict) else RecordError(
+            f"{file}:1", None, BAD_VALUE, f"expected a JSON object or array, got {type(row).__name__}")
+        return
+    decoder = json.JSONDecoder()
+    line, pos = 1, 0
+    i = _WS.match(text, i + 1).end()
+    while not text.startswith("]", i):
+        line += text.count("\n", pos, i)
+        pos = i
+        try:
+            row, end = decoder.raw_decode(text, i)
+            i = _WS.match(text, end).end()
+            if text.startswith(",", i):
+                i = _WS.match(text, i + 1).end()
+            elif not text.startswith("]", i):
+                raise json.JSONDecodeError("expected ',' or ']'", text, i)
+        except json.JSONDecodeError as e:
+            # Inside one JSON array nothing after a syntax error can be trusted: stop, even under skip.
+            raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                             "a broken JSON array cannot be skipped record by record, fix the file") from None
+        where = f"{file}:{line}"
+        yield where, row if isinstance(row, dict) else RecordError(
+            where, None, BAD_VALUE, f"expected a JSON object, got {type(row).__name__}")
+
+
+def _csv_rows(file: Path):
+    with open(file, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        reader.fieldnames  # reads the header line(s)
+        start = reader.line_num + 1
+        for row in reader:
+            yield f"{file}:{start}", row  # the line the record starts on (quoted cells may span lines)
+            start = reader.line_num + 1
+
+
+def _arrow_rows(file: Path, kind: str):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{file}: reading {kind} files needs pyarrow; pip install pyarrow") from None
+    if kind == "parquet":
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+    else:  # datasets writes the Arrow IPC stream format; plain .arrow files may be the file format
+        source = pa.memory_map(str(file))
+        try:
+            batches = iter(pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:
+            batches = (b for reader in [pa.ipc.open_file(source)]
+                       for b in (reader.get_batch(k) for k in range(reader.num_record_batches)))
+    n = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield f"{file} row {n}", row
+            n += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# rows -> examples
+
+
+def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[Example | RecordError]:
+    """Every record of a source, in file order, as an Example or the RecordError that rejects it."""
+    roles = {**DEFAULT_ROLES, **src.roles}
+    fmt = src.format
+    for file in files if files is not None else resolve_files(src.path):
+        for where, row in read_rows(file):
+            if isinstance(row, RecordError):
+                yield row
+                continue
+            if fmt == "auto":
+                fmt = detect_format(row, src.columns, where)
+            try:
+                yield to_example(row, fmt, src.columns, roles, where)
+            except RecordError as e:
+                yield e
+
+
+def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
+    col = columns.get
+    for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("alpaca", ["instruction"]),
+                      ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
+        if all(col(k, k) in row for k in keys):
+            return fmt
+    raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)}; set the source's "
+                     "format (messages, sharegpt, alpaca, prompt_completion, text) and columns, "
+                     "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
+
+
+def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str], where: str) -> Example:
+    def field(name: str, required: bool = True) -> Any:
+        key = columns.get(name, name)
+        value = row.get(key)
+        if value is None or (value == "" and not required):
+            if required:
+                mapped = f" (column {key!r})" if key != name else ""
+                raise RecordError(where, name, MISSING_FIELD,
+                                  f"missing{mapped}; the record has {sorted(row)}; map another column "
+                                  f"with the source's columns: {{{name}: NAME}}")
+            return None
+        return value
+
+    def text(name: str, required: bool = True) -> str | None:
+        value = field(name, required)
+        if value is not None and not isinstance(value, str):
+            raise RecordError(where, name, BAD_VALUE, f"expected a string, got {type(value).__name__}")
+        return value
+
+    if fmt == "text":
+        return Example(where, text=text("text"))
+    if fmt == "messages":
+        turns = _json_list(field("messages"), "messages", where)
+        messages = [_message(t, i, "messages", columns.get("role", "role"), columns.get("content", "content"),
+                             roles, where) for i, t in enumerate(turns)]
+        return Example(where, messages=messages, tools=_tools(field("tools", False), where))
+    if fmt == "sharegpt":
+        turns = _json_list(field("conversations"), "conversations", where)
+        messages = [_message(t, i, "conversations", columns.get("from", "from"), columns.get("value", "value"),
+                             roles, where) for i, t in enumerate(turns)]
+        system = text("system", False)
+        return Example(where, messages=([{"role": "system", "content": system}] if system else []) + messages,
+                       tools=_tools(field("tools", False), where))
+    if fmt == "alpaca":
+        instruction, extra, system = text("instruction"), text("input", False), text("system", False)
+        # GPTeacher and others name the answer `response`
+        response = "response" if "output" not in columns and "output" not in row and "response" in row else "output"
+        user = instruction + (f"\n\n{extra}" if extra else "")
+        return Example(where, messages=_chat(system, user, text(response)))
+    if fmt == "prompt_completion":
+        return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")))
+    raise AssertionError(fmt)
+
+
+def _chat(system: str | None, user: str, assistant: str) -> list[dict]:
+    return (([{"role": "system", "content": system}] if system else [])
+            + [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}])
+
+
+def _json_list(value: Any, name: str, where: str) -> list:
+    if isinstance(value, str):  # CSV and some Parquet files hold the conversation as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RecordError(where, name, MALFORMED_JSON, f"not valid JSON ({e.msg})") from None
+    if not isinstance(value, list):
+        raise RecordError(where, name, BAD_VALUE, f"expected a list of turns, got {type(value).__name__}")
+    if not value:
+        raise RecordError(where, name, EMPTY_CONVERSATION, "empty conversation")
+    return value
+
+
+def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, roles: dict[str, str],
+             where: str) -> dict:
+    field = f"{name}[{i}]"
+    if not isinstance(turn, dict):
+        raise RecordError(where, field, BAD_VALUE, f"expected an object, got {type(turn).__name__}")
+    if role_key not in turn:
+        raise RecordError(where, f"{field}.{role_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
+    role = roles.get(turn[role_key])
+    if role is None:
+        raise RecordError(where, f"{field}.{role_key}", UNKNOWN_ROLE,
+                          f"unknown role {turn[role_key]!r}; known: {sorted(roles)}; map it with the "
+                          f"source's roles: {{{turn[role_key]}: user|assistant|system|tool|tool_call}}")
+    content = turn.get(content_key)
+    if content is None and not turn.get("tool_calls"):
+        raise RecordError(where, f"{field}.{content_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
+    if content is not None and not isinstance(content, str):
+        raise RecordError(where, f"{field}.{content_key}", BAD_VALUE,
+                          f"expected a string, got {type(content).__name__}")
+    message = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
+    message.update(role=role, content=content)
+    if role == "tool_call":
+        message.update(role="assistant", is_tool_call=True)
+    return message
+
+
+def _tools(value: Any, where: str) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # glaive and LLaMA-Factory keep the tool list as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RecordError(where, "tools", MALFORMED_JSON, f"not valid JSON ({e.msg})") from None
+    if not isinstance(value, list):
+        raise RecordError(where, "tools", BAD_VALUE, f"expected a list of tool definitions, got {type(value).__name__}")
+    return value

@@ -1,0 +1,189 @@
+"""Readers: the native files in ../shared/data/raw equal their messages/ twins; every file type;
+every kind of bad record named by file:line and field."""
+import csv
+import json
+
+import pytest
+
+from gapless.config import DataConfig, SourceConfig, from_dict
+from gapless.data.formats import Example, RecordError, read_source, resolve_files
+
+GSM8K_COLUMNS = {"prompt": "question", "completion": "answer"}
+# raw file, how to read it, the messages/ file it must equal
+RAW_CASES = [
+    ("gpteacher/codegen-instruct.json", {"format": "alpaca"}, "gpteacher_codegen"),
+    ("gpteacher/roleplay-simple-deduped-roleplay-instruct.json", {"format": "alpaca"}, "gpteacher_roleplay"),
+    ("gsm8k/train.jsonl", {"format": "prompt_completion", "columns": GSM8K_COLUMNS}, "gsm8k_train"),
+    ("fastchat_dummy/dummy_conversation.json", {"format": "sharegpt"}, "fastchat_dummy_conversation"),
+    # function_call -> assistant tool call, observation -> tool: the default ShareGPT role map
+    ("glaive_toolcall_demo/glaive_toolcall_en_demo.json", {"format": "sharegpt"}, "glaive_toolcall_en_demo"),
+]
+
+
+def examples(src: SourceConfig) -> list:
+    return list(read_source(src))
+
+
+@pytest.mark.parametrize("raw,options,reference", RAW_CASES, ids=[c[2] for c in RAW_CASES])
+def test_raw_files_equal_their_messages_twins(shared, raw, options, reference):
+    got = examples(SourceConfig(path=str(shared / "data/raw" / raw), **options))
+    want = [json.loads(line) for line in open(shared / f"data/messages/{reference}.jsonl")]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert isinstance(g, Example), g
+        assert g.messages == w["messages"], g.where
+        assert g.tools == (json.loads(w["tools"]) if "tools" in w else None), g.where
+    # the messages/ file itself, read as messages format (auto-detected), gives the same records
+    again = examples(SourceConfig(path=str(shared / f"data/messages/{reference}.jsonl")))
+    assert [e.messages for e in again] == [g.messages for g in got]
+
+
+def test_auto_detects_sharegpt_and_maps_roles(shared):
+    got = examples(SourceConfig(path=str(shared / "data/raw/glaive_toolcall_demo/glaive_toolcall_en_demo.json")))
+    roles = {m["role"] for e in got for m in e.messages}
+    assert roles == {"user", "assistant", "tool"}
+    assert sum(bool(m.get("is_tool_call")) for e in got for m in e.messages) == 211  # the 211 function_call turns
+
+
+RECORDS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi, \"you\""},
+                  {"role": "assistant", "content": "hello\nthere"}]},
+    {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+]
+
+
+def write_all_types(folder):
+    """The same two records as .jsonl, .json, .csv, .parquet and a datasets save_to_disk folder."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (folder / "b.json").write_text(json.dumps(RECORDS, indent=2))
+    with open(folder / "c.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["messages"])
+        for r in RECORDS:
+            w.writerow([json.dumps(r["messages"])])
+    table = pa.table({"messages": [r["messages"] for r in RECORDS]})
+    pq.write_table(table, folder / "d.parquet")
+    ds = folder / "saved"  # what datasets.Dataset.save_to_disk writes: Arrow stream shards + state.json
+    ds.mkdir()
+    with pa.ipc.new_stream(str(ds / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (ds / "dataset_info.json").write_text("{}")
+    return folder
+
+
+def test_every_file_type_reads_the_same_records(tmp_path):
+    folder = write_all_types(tmp_path / "d")
+    want = [r["messages"] for r in RECORDS]
+    for path in ["a.jsonl", "b.json", "c.csv", "d.parquet", "saved"]:
+        got = examples(SourceConfig(path=str(folder / path)))
+        assert [e.messages for e in got] == want, path
+    # a glob and a plain folder: every matching file, sorted
+    assert len(examples(SourceConfig(path=str(folder / "*.json*")))) == 4
+    assert [f.name for f in resolve_files(str(folder))] == ["a.jsonl", "b.json", "c.csv", "d.parquet"]
+    # line numbers: JSONL lines, the line each JSON array element starts on, the CSV line of the record
+    assert [e.where.rsplit(":", 1)[1] for e in examples(SourceConfig(path=str(folder / "b.json")))] == ["2", "18"]
+    assert [e.where.rsplit(":", 1)[1] for e in examples(SourceConfig(path=str(folder / "c.csv")))] == ["2", "3"]
+    assert examples(SourceConfig(path=str(folder / "saved")))[1].where.endswith("row 1")
+
+
+def test_every_format_and_column_mapping(tmp_path):
+    rows = {
+        "alpaca.jsonl": ({"instruction": "Sum", "input": "2 2", "output": "4", "system": "S"},
+                         [{"role": "system", "content": "S"}, {"role": "user", "content": "Sum\n\n2 2"},
+                          {"role": "assistant", "content": "4"}]),
+        "pc.jsonl": ({"q": "Why?", "a": "Because."},
+                     [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]),
+        "sg.jsonl": ({"conv": [{"speaker": "me", "text": "yo"}, {"speaker": "bot", "text": "hey"}], "system": "Sys"},
+                     [{"role": "system", "content": "Sys"}, {"role": "user", "content": "yo"},
+                      {"role": "assistant", "content": "hey"}]),
+    }
+    for name, (row, _) in rows.items():
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"body": "plain text"}) + "\n")
+    sources = {
+        "alpaca.jsonl": SourceConfig(path=str(tmp_path / "alpaca.jsonl")),  # auto: has `instruction`
+        "pc.jsonl": SourceConfig(path=str(tmp_path / "pc.jsonl"), format="prompt_completion",
+                                 columns={"prompt": "q", "completion": "a"}),
+        "sg.jsonl": SourceConfig(path=str(tmp_path / "sg.jsonl"), format="sharegpt",
+                                 columns={"conversations": "conv", "from": "speaker", "value": "text"},
+                                 roles={"me": "user", "bot": "assistant"}),
+    }
+    for name, src in sources.items():
+        assert examples(src)[0].messages == rows[name][1], name
+    text = examples(SourceConfig(path=str(tmp_path / "t.jsonl"), format="text", columns={"text": "body"}))
+    assert text[0].text == "plain text" and text[0].messages is None
+
+
+BAD = [  # (line written into a JSONL file, reason, what the message names)
+    ('{"messages": [{"role": "user", "content": "a"}', "malformed_json", "not valid JSON"),
+    ('{"conversation": []}', "missing_field", "messages: missing"),
+    ('{"messages": [{"role": "user"}]}', "missing_field", "messages[0].content: missing"),
+    ('{"messages": [{"content": "x"}]}', "missing_field", "messages[0].role: missing"),
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "unknown_role", "messages[0].role: unknown role 'bot'"),
+    ('{"messages": []}', "empty_conversation", "messages: empty conversation"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "bad_value", "messages[0].content: expected a string"),
+    ('[1, 2]', "bad_value", "expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize("line,reason,text", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_records_name_file_line_and_field(tmp_path, line, reason, text):
+    good = json.dumps(RECORDS[1])
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{good}\n\n{line}\n{good}\n")  # the bad record is on line 3
+    got = examples(SourceConfig(path=str(path), format="messages"))
+    assert [type(x) for x in got] == [Example, RecordError, Example]
+    err = got[1]
+    assert err.reason == reason
+    assert str(err).startswith(f"{path}:3: ") and text in str(err)
+
+
+def test_broken_json_array_stops_with_its_line(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('[\n {"text": "a"},\n {"text": "b",,}\n]')
+    with pytest.raises(ValueError, match=r"broken.json:3: not valid JSON"):
+        examples(SourceConfig(path=str(path), format="text"))
+
+
+def test_paths_and_formats_that_cannot_be_read(tmp_path):
+    with pytest.raises(ValueError, match="no files match"):
+        resolve_files(str(tmp_path / "*.jsonl"))
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_files(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ValueError, match="unsupported file type '.txt'"):
+        resolve_files(str(tmp_path / "x.txt"))
+    dd = tmp_path / "dd"
+    dd.mkdir()
+    (dd / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(ValueError, match=r"DatasetDict folder with splits \['train', 'test'\]"):
+        resolve_files(str(dd))
+    (tmp_path / "q.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:1: cannot tell the format .*prompt_completion"):
+        examples(SourceConfig(path=str(tmp_path / "q.jsonl")))
+
+
+def test_config_errors_name_the_field():
+    def error(data: dict) -> str:
+        with pytest.raises(ValueError) as e:
+            from_dict(DataConfig, data, "data")
+        return str(e.value)
+
+    src = {"path": "x.jsonl"}
+    assert error({"sources": []}).startswith("data.sources:")
+    assert error({"sources": [{**src, "format": "sharegtp"}]}).startswith(
+        "data.sources[0].format: 'sharegtp' is not one of")
+    assert "did you mean 'sharegpt'" in error({"sources": [{**src, "format": "sharegtp"}]})
+    assert error({"sources": [{**src, "format": "alpaca", "columns": {"prompt": "q"}}]}).startswith(
+        "data.sources[0].columns.prompt: not a field of format 'alpaca'")
+    assert error({"sources": [{**src, "roles": {"bot": "assistent"}}]}).startswith("data.sources[0].roles.bot:")
+    assert error({"sources": [{**src, "weight": 1.0, "epochs": 2.0}]}).startswith("data.sources[0]: set weight")
+    assert error({"sources": [src], "max_seq_len": 32768}).startswith("data.tokens_per_batch:")
+    assert error({"sources": [src], "eval_fraction": 1.0}).startswith("data.eval_fraction:")
+    assert error({"sources": [src], "chat_template": "nope.jinja"}).startswith("data.chat_template: file")
+    assert error({"sources": [src], "train_on": "assistants"}).startswith("data.train_on:")
