@@ -1,0 +1,284 @@
+"""Tokenization: exact loss masks for real templates (Llama 3, Qwen2 ChatML, a tool-calling ChatML),
+over-long handling, bad-input policy, the cache, worker processes and the eval split."""
+import json
+import os
+import string
+import unicodedata
+
+import numpy as np
+import pytest
+
+from gapless.config import DataConfig, SourceConfig, from_dict
+from gapless.data import tokenize
+from gapless.data.formats import read_source
+from gapless.data.tokenize import Encoder, build_data, load_tokenizer, tokenizer_template
+
+# Qwen2.5's tool-calling ChatML template (the Qwen2 folder's own template has no tool support).
+QWEN_TOOL_TEMPLATE = r"""{%- if tools %}{{- '<|im_start|>system\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}{{- "\n\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n" }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- endif %}
+{%- for message in messages %}{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- elif message.role == "assistant" %}{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}{{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}{%- elif message.role == "tool" %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+# a char-level tokenizer folder like the product's CPU demo writes (PreTrainedTokenizerFast.save_pretrained)
+DEMO_SPECIALS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+DEMO_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}</s>{% endif %}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_letters + string.digits + string.punctuation + " \n"
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(DEMO_SPECIALS + list(chars))}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(DEMO_SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = DEMO_TEMPLATE
+    folder = tmp_path_factory.mktemp("demo_tokenizer")
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def trained_runs(tok, ids, mask) -> list[str]:
+    """The decoded maximal runs of trained tokens."""
+    edges = np.flatnonzero(np.diff(np.asarray(mask, np.int8))) + 1
+    return [tok.decode(p.tolist(), skip_special_tokens=False)
+            for p, m in zip(np.split(np.asarray(ids), edges), np.split(np.asarray(mask), edges)) if m[0]]
+
+
+def sample(shared, per_file: int = 40) -> list:
+    """The first records of every messages/ file, the first few given a system prompt."""
+    out = []
+    for path in sorted((shared / "data/messages").glob("*.jsonl")):
+        out += list(read_source(SourceConfig(path=str(path))))[:per_file]
+    for ex in out[::7]:
+        ex.messages = [{"role": "system", "content": "You are terse."}] + ex.messages
+    return out
+
+
+TEMPLATES = {  # tokenizer -> how its template writes an assistant turn's content and end-of-turn
+    "llama3": lambda content: content.strip() + "<|eot_id|>",  # the template trims
+    "qwen2": lambda content: unicodedata.normalize("NFC", content) + "<|im_end|>",  # its normalizer is NFC
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_trained_tokens_are_exactly_the_assistant_turns(shared, name):
+    tok = load_tokenizer(shared / "tokenizers" / name)
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    examples = sample(shared)
+    chunk = enc.encode_chunk(examples)
+    assert not chunk.errors and len(chunk.ids) == len(examples)
+    multi_turn = 0
+    for ex, ids, mask in zip(examples, chunk.ids, chunk.mask):
+        want = [TEMPLATES[name](m["content"]) for m in ex.messages if m["role"] == "assistant"]
+        got = [unicodedata.normalize("NFC", r) for r in trained_runs(tok, ids, mask)]
+        assert got == want, ex.where
+        multi_turn += len(want) > 1
+    assert multi_turn > 50  # fastchat, oasst and glaive conversations
+
+
+def test_tool_calls_with_a_tool_template_from_the_config(shared, tmp_path):
+    (tmp_path / "tools.jinja").write_text(QWEN_TOOL_TEMPLATE)
+    path = shared / "data/messages/glaive_toolcall_en_demo.jsonl"
+    cfg = from_dict(DataConfig, {"sources": [{"path": str(path)}], "tokenizer": str(shared / "tokenizers/qwen2"),
+                                 "chat_template": str(tmp_path / "tools.jinja"), "cache_dir": str(tmp_path / "c"),
+                                 "max_seq_len": 32768, "tokens_per_batch": 32768,
+                                 "num_workers": 0}, "data")
+    mix, _, summary = build_data(cfg)
+    tok = load_tokenizer(shared / "tokenizers/qwen2")
+    examples = list(read_source(SourceConfig(path=str(path))))
+    assert len(mix) == len(examples) == 300 and summary.warnings == []
+    calls = 0
+    for i, ex in enumerate(examples):
+        want = []
+        for m in ex.messages:
+            if m.get("is_tool_call"):
+                call = json.loads(m["content"])
+                want.append(f'<tool_call>\n{{"name": "{call["name"]}", "arguments": '
+                            f'{json.dumps(call["arguments"], ensure_ascii=False)}}}\n</tool_call><|im_end|>')
+                calls += 1
+            elif m["role"] == "assistant":
+                want.append(m["content"] + "<|im_end|>")
+        ids, mask = mix.doc(i)
+        assert trained_runs(tok, ids, mask) == want, ex.where
+        text = tok.decode(np.asarray(ids).tolist())
+        for tool in ex.tools or []:  # the definitions are in the (untrained) system prompt
+            assert json.dumps(tool, ensure_ascii=False) in text
+    assert calls == 211
+
+
+def test_without_a_tool_template_tools_are_counted_and_warned(shared, tmp_path):
+    path = shared / "data/messages/glaive_toolcall_en_demo.jsonl"
+    cfg = from_dict(DataConfig, {"sources": [{"path": str(path)}], "tokenizer": str(shared / "tokenizers/llama3"),
+                                 "cache_dir": str(tmp_path), "num_workers": 0}, "data")
+    with pytest.warns(UserWarning, match="191 records have tool definitions that the chat template does not render"):
+        _, _, summary = build_data(cfg)
+    assert summary.sources[0].tools_not_rendered == 191
+
+
+@pytest.mark.parametrize("train_on", ["all", "last_assistant"])
+def test_train_on_all_and_last_assistant(shared, train_on):
+    tok = load_tokenizer(shared / "tokenizers/llama3")
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on=train_on, overlong="truncate")
+    examples = list(read_source(SourceConfig(path=str(shared / "data/messages/fastchat_dummy_conversation.jsonl"))))
+    examples = [e for e in examples if len(e.messages) > 2][:20]
+    chunk = enc.encode_chunk(examples)
+    for ex, ids, mask in zip(examples, chunk.ids, chunk.mask):
+        if train_on == "all":
+            assert mask.all()
+        else:
+            assert trained_runs(tok, ids, mask) == [ex.messages[-1]["content"].strip() + "<|eot_id|>"]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat(user: str, assistant: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+def config(tmp_path, tokenizer, sources, **options) -> DataConfig:
+    data = {"sources": sources, "tokenizer": str(tokenizer), "cache_dir": str(tmp_path / "cache"),
+            "num_workers": 0, **options}
+    data.setdefault("tokens_per_batch", data.get("max_seq_len", 4096))
+    return from_dict(DataConfig, data, "data")
+
+
+def test_demo_tokenizer_folder_and_overlong_rules(demo_tokenizer, tmp_path):
+    tok = load_tokenizer(demo_tokenizer)
+    chats = write_jsonl(tmp_path / "chat.jsonl", [chat("hi", "yo"), chat("x" * 10, "y" * 30), chat("z" * 60, "w")])
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "a" * 70}, {"text": "short"}])
+    sources = [{"path": str(chats)}, {"path": str(text)}]
+    mix, _, s = build_data(config(tmp_path, demo_tokenizer, sources, max_seq_len=32))
+    # truncate: record 2 keeps 32 tokens with some answer left; record 3's answer is cut off entirely
+    assert [r.truncated for r in s.sources] == [1, 1] and s.sources[0].dropped == {"truncated_away": 1}
+    ids, mask = mix.doc(0)
+    assert tok.decode(np.asarray(ids).tolist()) == "<s><|user|>hi<|assistant|>yo</s>"  # trim_blocks eats the newline
+    assert trained_runs(tok, ids, mask) == ["yo</s>"]
+    assert mix.datasets[0].pad_id == tok.pad_token_id
+    # plain text: bos + text + eos, every token trained
+    ids, mask = mix.doc(3)
+    assert tok.decode(np.asarray(ids).tolist()) == "<s>short</s>" and mask.all()
+
+    mix, _, s = build_data(config(tmp_path, demo_tokenizer, sources, max_seq_len=32, overlong="drop"))
+    assert s.sources[0].dropped == {"overlong": 2} and s.sources[1].dropped == {"overlong": 1} and len(mix) == 2
+
+    with pytest.warns(UserWarning, match="overlong=split applies to plain text"):
+        mix, _, s = build_data(config(tmp_path, demo_tokenizer, sources, max_seq_len=32, overlong="split"))
+    assert s.sources[1].split == 1 and list(mix.datasets[1].lengths) == [32, 32, 8, 7]  # 72 tokens in 3 pieces
+    pieces = [tok.decode(np.asarray(mix.datasets[1][i][0]).tolist()) for i in range(3)]
+    assert "".join(pieces) == "<s>" + "a" * 70 + "</s>"
+
+
+def test_bad_input_raises_with_file_line_or_is_counted(demo_tokenizer, tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [
+        chat("hi", "yo"),
+        '{"messages": [{"role": "user", "content": "broken"}',  # line 2: malformed JSON
+        {"messages": [{"role": "user", "content": "no answer"}]},  # 3: nothing to train
+        {"messages": [{"role": "narrator", "content": "x"}]},  # 4: unknown role
+        {"messages": []},  # 5: empty conversation
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]},  # 6: missing content
+        chat("ok", "fine"),
+    ])
+    with pytest.raises(ValueError, match=rf"^{bad}:2: not valid JSON .*on_error: skip"):
+        build_data(config(tmp_path, demo_tokenizer, [{"path": str(bad)}]))
+    no_answer = write_jsonl(tmp_path / "no_answer.jsonl", [chat("a", "b"), {"messages": [{"role": "user", "content": "q"}]}])
+    with pytest.raises(ValueError, match=rf"^{no_answer}:2: messages: no assistant turn to train on"):
+        build_data(config(tmp_path, demo_tokenizer, [{"path": str(no_answer)}]))
+
+    mix, _, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(bad)}], on_error="skip"))
+    assert (s.records, s.kept, len(mix)) == (7, 2, 2)
+    assert s.dropped == {"malformed_json": 1, "nothing_to_train": 1, "unknown_role": 1, "empty_conversation": 1,
+                         "missing_field": 1}
+    assert s.sources[0].first_errors[0].startswith(f"{bad}:2: not valid JSON")
+    assert s.sources[0].first_errors[4] == f"{bad}:6: messages[0].content: missing; the turn has ['role']"
+    assert "first skipped records:" in s.format() and "unknown_role 1" in s.format()
+
+
+def test_a_template_without_history_independence_is_refused(demo_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"},
+                                                            {"role": "assistant", "content": "b"},
+                                                            {"role": "user", "content": "c"},
+                                                            {"role": "assistant", "content": "d"}]}])
+    # renders only the last assistant turn's content, so the first turn's text is not a prefix of the whole
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' or loop.last %}"
+                "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the chat template does not render messages\[:2\] as a prefix"):
+        build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], chat_template=template))
+
+
+def test_a_tokenizer_without_a_chat_template_needs_one_in_the_config(demo_tokenizer, tmp_path):
+    folder = tmp_path / "plain"
+    tok = load_tokenizer(demo_tokenizer)
+    tok.chat_template = None
+    tok.save_pretrained(str(folder))
+    if (folder / "chat_template.jinja").exists():
+        os.remove(folder / "chat_template.jinja")
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("a", "b")])
+    with pytest.raises(ValueError, match="d.jsonl:1: the tokenizer has no chat template; set data.chat_template"):
+        build_data(config(tmp_path, folder, [{"path": str(path)}]))
+    mix, _, _ = build_data(config(tmp_path, folder, [{"path": str(path)}], chat_template=DEMO_TEMPLATE))
+    assert trained_runs(tok, *mix.doc(0)) == ["b</s>"]
+
+
+def test_the_cache_second_run_does_not_tokenize_and_a_change_invalidates(demo_tokenizer, tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", "yo"), chat("a", "b")])
+    cfg = config(tmp_path, demo_tokenizer, [{"path": str(path)}])
+    mix, _, s = build_data(cfg)
+    assert [r.cache for r in s.sources] == ["miss"]
+    first = [np.asarray(mix.doc(i)[0]).copy() for i in range(len(mix))]
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized although the cache holds this data")
+
+    with monkeypatch.context() as m:
+        m.setattr(tokenize.Encoder, "encode_chunk", no_tokenizing)
+        m.setattr(tokenize, "load_tokenizer", no_tokenizing)
+        mix, _, s = build_data(cfg)
+        assert [r.cache for r in s.sources] == ["hit"] and s.tokenize_seconds == 0
+        assert isinstance(mix.datasets[0].ids, np.memmap)
+        assert all(np.array_equal(a, mix.doc(i)[0]) for i, a in enumerate(first))
+        os.utime(path, (1, 1))  # touched, same content: the key is the content's hash
+        assert build_data(cfg)[2].sources[0].cache == "hit"
+    write_jsonl(path, [chat("hi", "yo"), chat("a", "c")])  # changed content
+    assert build_data(cfg)[2].sources[0].cache == "miss"
+    assert build_data(cfg)[2].sources[0].cache == "hit"
+    for change in [{"max_seq_len": 64}, {"train_on": "all"}, {"chat_template": DEMO_TEMPLATE + " "},
+                   {"on_error": "skip"}]:
+        assert build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], **change))[2].sources[0].cache == "miss"
+    assert build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "columns": {"messages": "messages"}}])
+                      )[2].sources[0].cache == "miss"
+    # only finished folders are ever found: nothing half-written is left behind
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".") and p.is_dir()]
+
+
+def test_worker_processes_give_the_same_arrays(shared, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize, "CHUNK", 64)  # 500 records -> 8 chunks over 2 workers
+    path = str(shared / "data/messages/fastchat_dummy_conversation.jsonl")
+    tokenizer = shared / "tokenizers/llama3"
+    one, _, _ = build_data(config(tmp_path / "a", tokenizer, [{"path": path}], num_workers=0))
+    two, _, _ = build_data(config(tmp_path / "b", tokenizer, [{"path": path}], num_workers=2))
+    a, b = one.datasets[0], two.datasets[0]
+    assert len(a) == len(b) == 500
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask) and np.array_equal(a.offsets, b.offsets)
+    assert np.array_equal(a.records, b.records)
+
+
+def test_eval_split_by_record_and_eval_sources(demo_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", f"a{i}") for i in range(100)])
+    other = write_jsonl(tmp_path / "e.jsonl", [chat("eq", "ea")] * 3)
+    train, evalm, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], eval_fraction=0.2))
+    tr, ev = train.datasets[0], evalm.datasets[0]
+    assert (len(tr), len(ev), s.eval_docs) == (80, 20, 20)
+    assert not set(tr.records[tr.docs]) & set(ev.records[ev.docs])
+    again = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], eval_fraction=0.2))[1]
+    assert np.array_equal(again.datasets[0].docs, ev.docs)  # seeded
+    train, evalm, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}],
+                                        eval_sources=[{"path": str(other)}]))
+    assert (len(train), len(evalm), s.eval_docs) == (100, 3, 3)
