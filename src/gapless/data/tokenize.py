@@ -137,7 +137,7 @@ class Encoder:
         spans = []
         for i in turns[-1:] if self.train_on == "last_assistant" else turns:
             start = len(self._render(ex, messages[:i], tools, True))
-            upto = self._render(ex, messages[: i + 1], tools, False)
+            upto = full if i == len(messages) - 1 else self._render(ex, messages[: i + 1], tools, False)
             if not (full.startswith(upto) and start <= len(upto) and full[:start] == upto[:start]):
                 raise ValueError(f"{ex.where}: the chat template does not render messages[:{i + 1}] as a prefix "
                                  "of the whole conversation, so its assistant turns cannot be located; use a "

@@ -1,0 +1,68 @@
+"""`gapless data`: the summary, the histogram, a decoded example with the trained text marked, --json."""
+import json
+
+import yaml
+
+from gapless.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["data", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_files_and_tokenizer_flags(shared, tmp_path, capsys):
+    files = [shared / "data/messages/fastchat_dummy_conversation.jsonl",
+             shared / "data/messages/self_instruct_user_oriented.jsonl"]
+    code, out, _ = run(capsys, *files, "--tokenizer", shared / "tokenizers/llama3", "--set", f"cache_dir={tmp_path}",
+                       "--set", "num_workers=0", "--example", 2, "--json")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])  # the last line is the summary as one JSON object
+    assert (summary["records"], summary["kept"], summary["truncated"], summary["dropped"]) == (752, 752, 0, {})
+    assert [s["cache"] for s in summary["sources"]] == ["miss", "miss"]
+    assert summary["tokens"] > summary["target_tokens"] > 0 and 0.9 < summary["packing_efficiency"] <= 1
+    assert "packing efficiency:" in out and "document length (tokens)" in out
+    # fastchat's third conversation, its assistant turns marked, the prompt not
+    assert "example 2 (" in out
+    assert ("«Hello! How can I help you today?<|eot_id|>»" in out
+            and "«What is up?" not in out and "What is up?<|eot_id|>" in out)
+    code, out, _ = run(capsys, *files, "--tokenizer", shared / "tokenizers/llama3", "--set", f"cache_dir={tmp_path}",
+                       "--json")
+    assert [s["cache"] for s in json.loads(out.strip().splitlines()[-1])["sources"]] == ["hit", "hit"]
+
+
+def test_a_config_file_with_column_mapping_and_overrides(shared, tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(shared / "tokenizers/qwen2")},  # the tokenizer defaults to the model folder
+        "data": {"sources": [{"path": str(shared / "data/raw/gsm8k/train.jsonl"), "format": "prompt_completion",
+                              "columns": {"prompt": "question", "completion": "answer"}}],
+                 "cache_dir": str(tmp_path / "cache"), "batching": "padded"},
+    }))
+    code, out, _ = run(capsys, config, "--set", "max_seq_len=512", "--set", "tokens_per_batch=8192", "--json")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["records"], summary["kept"], summary["max_seq_len"], summary["batching"]) == (7473, 7473, 512, "padded")
+    assert summary["truncated"] == 3  # the three gsm8k problems of 512+ Qwen2 tokens
+    assert "«Natalia sold 48/2 = <<48/2=24>>24 clips in May." in out
+
+
+def test_bad_input_stops_with_file_and_line_or_is_counted(tmp_path, shared, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+                    '{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}\n')
+    args = [path, "--tokenizer", shared / "tokenizers/llama3", "--set", f"cache_dir={tmp_path / 'c'}"]
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith(f"gapless data: error: {path}:2: messages[1].role: unknown role 'bot'")
+    code, out, err = run(capsys, *args, "--set", "on_error=skip", "--json")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["records"], summary["kept"], summary["dropped"]) == (2, 1, {"unknown_role": 1})
+    assert f"{path}:2: messages[1].role: unknown role 'bot'" in out  # listed among the first skipped records
+
+
+def test_a_bad_setting_names_the_field(tmp_path, capsys):
+    code, _, err = run(capsys, tmp_path / "x.jsonl", "--set", "batching=packd")
+    assert code == 2 and "data.batching: 'packd' is not one of" in err and "did you mean 'packed'" in err
