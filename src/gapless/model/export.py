@@ -70,7 +70,15 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     if source is not None:
-        for name in COPIED_FILES:
-            if (Path(source) / name).is_file():
-                shutil.copy2(Path(source) / name, out / name)
+        copy_tokenizer_files(source, out)
     return out
+
+
+def copy_tokenizer_files(source: str | Path, out: str | Path) -> list[str]:
+    """Copy generation_config.json and the tokenizer files that `source` has into `out`; returns their names."""
+    copied = []
+    for name in COPIED_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(out) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,224 @@
+"""The one training loop. LoRA, QLoRA and full fine-tuning differ only in the model transform and in
+which parameters are trainable; everything else below is shared and reads top to bottom.
+
+The loss of an optimizer step is the mean over ALL trained tokens of its k micro-batches:
+    loss = sum_{micro} sum_{t trained} CE_t / N_step,   N_step = trained tokens of the whole step
+Each micro-batch contributes `loss_sum / N_step` to the gradient, so k micro-batches of ragged
+lengths give exactly the gradient of one batch holding the same tokens (not a mean of means).
+N_step is a host integer the data pipeline counted while building the batches: no device sync.
+
+Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read
+once per `train.log_every` steps (marked SYNC below).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from gapless.config import RunConfig, to_dict
+from gapless.data.batching import Batch
+from gapless.kernels.loss import linear_cross_entropy
+from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
+from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from gapless.train.progress import Progress
+
+
+def batch_loss_sum(model, batch: Batch) -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's trained tokens; full logits never exist."""
+    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens,
+                                 batch.attention_mask, batch.max_seqlen)  # [B, T, D]
+    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten())
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+    return device
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[Batch], device: torch.device) -> dict:
+    """Mean loss over all trained tokens of the eval batches (one sync at the end)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    tokens = 0
+    for b in batches:
+        total += batch_loss_sum(model, b.to(device))
+        tokens += b.num_target_tokens
+    model.train(was_training)
+    return {"eval_loss": total.item() / max(tokens, 1), "eval_tokens": tokens}  # SYNC: once per eval
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss of that logged step
+    final_dir: Path | None = None
+    tokens_per_s: float = 0.0
+
+
+def apply_method(model, cfg: RunConfig):
+    """The fine-tuning method as a model transform; the loop below never branches on it."""
+    from gapless.model.lora import apply_lora
+
+    assert cfg.method == "lora", cfg.method
+    return apply_lora(model, cfg.lora)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
+    if cfg.train.steps:
+        return cfg.train.steps
+    steps = math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum)
+    if steps < 1:
+        raise ValueError(f"train.epochs: {cfg.train.epochs} epochs of {batches_per_epoch} batches with "
+                         f"grad_accum {cfg.train.grad_accum} is less than one optimizer step")
+    return steps
+
+
+def write_metrics(f, record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+
+
+def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResult:
+    """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a test's simulated crash).
+
+    `out` receives the human-readable summary lines (stderr by default).
+    """
+    from gapless.data.batching import BatchSampler
+    from gapless.data.tokenize import build_data
+    from gapless.model.export import copy_tokenizer_files
+    from gapless.model.loading import load_model
+    from gapless.model.lora import save_adapter
+
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    torch.manual_seed(cfg.train.seed)
+    device = resolve_device(cfg.model.device)
+    progress = Progress(0, stream=out, enabled=cfg.progress)
+
+    # -- data: tokenized once (cached), then a seeded, resumable batch stream
+    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+    mix, eval_mix, summary = build_data(cfg.data, tokenizer_dir)
+    progress.message(summary.format())
+    sampler = BatchSampler.from_config(cfg.data, mix)
+    eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
+    steps_total = total_steps(cfg, sampler.batches_per_epoch())
+
+    # -- model: the plain checkpoint model, then the method's transform
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device, attn_backend=cfg.model.attn_backend)
+    model = apply_method(model, cfg)
+    model.train()
+    params = list(trainable_state(model).values())
+    optimizer = build_optimizer(params, cfg.optim, device.type)
+    scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
+    ckpt_root = run_dir / "checkpoints"
+    checkpoints = CheckpointManager(ckpt_root, keep=cfg.checkpoint.keep, async_write=cfg.checkpoint.async_write)
+
+    step = 0
+    if cfg.resume:
+        latest = latest_complete(ckpt_root)
+        if latest is None:
+            progress.message(f"resume: no complete checkpoint in {ckpt_root}; starting from step 0")
+        else:
+            tensors, meta = load(latest)
+            missing = set(trainable_state(model)) - set(tensors["model"])
+            if missing:
+                raise ValueError(f"{latest}: the checkpoint lacks trainable tensors {sorted(missing)[:5]}; "
+                                 "was it written by a run with other method/lora settings?")
+            with torch.no_grad():
+                for name, p in trainable_state(model).items():
+                    p.copy_(tensors["model"][name])
+            optimizer.load_state_dict(tensors["optimizer"])
+            scheduler.load_state_dict(meta["scheduler"])
+            sampler.load_state_dict(meta["sampler"])
+            restore_rng_state(meta["rng"])  # last: nothing above may draw random numbers after it
+            step = int(meta["step"])
+            progress.message(f"resume: continuing after step {step} from {latest}")
+
+    result = RunResult(run_dir=run_dir, steps=steps_total)
+    progress.total = steps_total
+    metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
+    batches = iter(sampler)
+    k = cfg.train.grad_accum
+    # device-side accumulators, read every log_every steps (the loop's only host sync)
+    window_loss = torch.zeros((), dtype=torch.float32, device=device)
+    window_tokens = window_real = 0
+    t_window = time.perf_counter()
+    steps_this_run = 0
+    while step < steps_total:
+        micro = [next(batches) for _ in range(k)]
+        n_step = sum(b.num_target_tokens for b in micro)  # host ints counted by the data pipeline
+        for b in micro:
+            b = b.to(device, non_blocking=True)
+            loss_sum = batch_loss_sum(model, b)
+            (loss_sum / max(n_step, 1)).backward()
+            window_loss += loss_sum.detach()
+        grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_this_run += 1
+        window_tokens += n_step
+        window_real += sum(b.num_real_tokens for b in micro)
+
+        if step % cfg.train.log_every == 0 or step == steps_total:
+            loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
+            now = time.perf_counter()
+            tok_s = window_real / max(now - t_window, 1e-9)
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                      "real_tokens": window_real, "trained_tokens": window_tokens, "tokens_per_s": tok_s,
+                      "elapsed_s": now - t_start}
+            write_metrics(metrics, record)
+            result.losses[step] = loss
+            progress.update(step, loss, tok_s, lr)
+            window_loss.zero_()
+            window_tokens = window_real = 0
+            t_window = time.perf_counter()
+
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
+            checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
+                             {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+                              "rng": capture_rng_state()})
+
+        if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps_total:
+            ev = evaluate(model, eval_batches, device)
+            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
+            progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
+
+        if stop_after is not None and steps_this_run >= stop_after:
+            break
+    checkpoints.close()
+    progress.close()
+
+    if step == steps_total:
+        if eval_batches:
+            ev = evaluate(model, eval_batches, device)
+            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
+            progress.message(f"final eval loss {ev['eval_loss']:.4f}")
+        final = run_dir / "adapter"
+        save_adapter(model, final, cfg.lora, base_model_name_or_path=str(Path(cfg.model.path).resolve()))
+        copy_tokenizer_files(tokenizer_dir, final)
+        result.final_dir = final
+        progress.message(f"adapter written to {final}")
+    metrics.close()
+    return result
