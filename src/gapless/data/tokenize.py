@@ -118,8 +118,9 @@ class Encoder:
         function = {"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))}
         return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
 
-    def chat_text(self, ex: Example, counts: Counter) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of the assistant turns to train."""
+    def chat_text(self, ex: Example, counts: Counter) -> tuple[str, list[tuple[int, int]] | None]:
+        """The rendered conversation and the character spans of the assistant turns to train
+        (None: train on every token)."""
         if self.template is None:
             raise ValueError(f"{ex.where}: the tokenizer has no chat template; set data.chat_template "
                              "(inline Jinja or a .jinja file)")
@@ -133,7 +134,7 @@ class Encoder:
             raise RecordError(ex.where, "messages", NOTHING_TO_TRAIN, "no assistant turn to train on")
         full = self._render(ex, messages, tools, False)
         if self.train_on == "all":
-            return full, [(0, len(full))]
+            return full, None
         spans = []
         for i in turns[-1:] if self.train_on == "last_assistant" else turns:
             start = len(self._render(ex, messages[:i], tools, True))
@@ -151,7 +152,10 @@ class Encoder:
         except Exception as e:  # jinja errors, the template's raise_exception() (e.g. roles must alternate)
             raise RecordError(ex.where, "messages", TEMPLATE_ERROR, f"the chat template failed: {e}") from None
 
-    def mask_spans(self, ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    def mask_spans(self, ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]] | None) -> np.ndarray:
+        """1 for the tokens that start inside a span, up to its last special token; None = all tokens."""
+        if spans is None:
+            return np.ones(len(ids), np.uint8)
         mask = np.zeros(len(ids), np.uint8)
         for s, e in spans:
             inside = np.flatnonzero((starts >= s) & (starts < e))
@@ -176,38 +180,8 @@ class Encoder:
                     chats.append((r, item, *self.chat_text(item, counts)))
                 except RecordError as e:
                     errors.append((r, e))
-        docs: list[tuple[int, Example, np.ndarray, np.ndarray]] = []
-        if chats:
-            # Each conversation is tokenized in pieces cut where a trained span starts, as inference
-            # sees it: the prompt up to the generation prompt on its own, the answer's tokens after it.
-            # So no token holds both prompt and answer text (in one piece, ChatML's "assistant\n"
-            # followed by an answer that starts with "\n" would merge into a single "\n\n" token).
-            pieces, owners = [], []
-            for c, (_, _, text, spans) in enumerate(chats):
-                cuts = sorted({0, *(start for start, _ in spans)}) + [len(text)]
-                for a, b in zip(cuts, cuts[1:]):
-                    if b > a:
-                        pieces.append(text[a:b])
-                        owners.append((c, a))
-            # one batched call: the Rust tokenizer's per-call overhead is paid once per chunk
-            enc = self.tok(pieces, add_special_tokens=False, return_offsets_mapping=True)
-            parts: list[tuple[list, list]] = [([], []) for _ in chats]
-            for (c, a), ids, offsets in zip(owners, enc["input_ids"], enc["offset_mapping"]):
-                parts[c][0].append(np.asarray(ids, np.int32))
-                parts[c][1].append(a + np.asarray(offsets, np.int64).reshape(-1, 2)[:, 0])
-            for (r, ex, _, spans), (ids, starts) in zip(chats, parts):
-                ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
-                starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-                docs.append((r, ex, ids, self.mask_spans(ids, starts, spans)))
-        if texts:
-            enc = self.tok([t[1].text for t in texts], add_special_tokens=False)
-            bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
-            eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-            for (r, ex), ids in zip(texts, enc["input_ids"]):  # a document: bos, text, eos; all trained
-                ids = np.asarray(bos + ids + eos, np.int32)
-                docs.append((r, ex, ids, np.ones(len(ids), np.uint8)))
         out = Chunk(len(items), counts=counts)
-        for r, ex, ids, mask in sorted(docs, key=lambda d: d[0]):
+        for r, ex, ids, mask in sorted(self._tokenize_chats(chats) + self._tokenize_texts(texts), key=lambda d: d[0]):
             if not mask[1:].any():  # position 0 is never predicted
                 errors.append((r, RecordError(ex.where, "messages", NOTHING_TO_TRAIN,
                                               "no token left to train on after masking")))
@@ -218,6 +192,44 @@ class Encoder:
                 out.add(piece_ids, piece_mask, r)
         out.errors = [e for _, e in sorted(errors, key=lambda x: x[0])]
         return out
+
+    def _tokenize_chats(self, chats: list[tuple]) -> list[tuple]:
+        """(record, example, text, spans) -> (record, example, ids, mask), in one batched tokenizer call
+        (the Rust tokenizer's per-call overhead is paid once per chunk)."""
+        if not chats:
+            return []
+        # Each conversation is tokenized in pieces cut where a trained span starts, as inference
+        # sees it: the prompt up to the generation prompt on its own, the answer's tokens after it.
+        # So no token holds both prompt and answer text (in one piece, ChatML's "assistant\n"
+        # followed by an answer that starts with "\n" would merge into a single "\n\n" token).
+        pieces, owners = [], []
+        for c, (_, _, text, spans) in enumerate(chats):
+            cuts = sorted({0, *(start for start, _ in spans or [])}) + [len(text)]
+            for a, b in zip(cuts, cuts[1:]):
+                if b > a:
+                    pieces.append(text[a:b])
+                    owners.append((c, a))
+        enc = self.tok(pieces, add_special_tokens=False, return_offsets_mapping=True)
+        parts: list[tuple[list, list]] = [([], []) for _ in chats]
+        for (c, a), ids, offsets in zip(owners, enc["input_ids"], enc["offset_mapping"]):
+            parts[c][0].append(np.asarray(ids, np.int32))
+            parts[c][1].append(a + np.asarray(offsets, np.int64).reshape(-1, 2)[:, 0])
+        docs = []
+        for (r, ex, _, spans), (ids, starts) in zip(chats, parts):
+            ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+            starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+            docs.append((r, ex, ids, self.mask_spans(ids, starts, spans)))
+        return docs
+
+    def _tokenize_texts(self, texts: list[tuple]) -> list[tuple]:
+        """(record, example) -> (record, example, ids, mask): bos, the text, eos; every token trained."""
+        if not texts:
+            return []
+        enc = self.tok([ex.text for _, ex in texts], add_special_tokens=False)
+        bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
+        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        return [(r, ex, np.asarray(bos + ids + eos, np.int32), np.ones(len(ids) + len(bos) + len(eos), np.uint8))
+                for (r, ex), ids in zip(texts, enc["input_ids"])]
 
     def fit(self, ids: np.ndarray, mask: np.ndarray, is_text: bool) -> tuple[list, str]:
         """Apply data.overlong: the documents to keep and the record's status."""
