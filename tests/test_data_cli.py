@@ -43,7 +43,8 @@ def test_a_config_file_with_column_mapping_and_overrides(shared, tmp_path, capsy
     code, out, _ = run(capsys, config, "--set", "max_seq_len=512", "--set", "tokens_per_batch=8192", "--json")
     assert code == 0
     summary = json.loads(out.strip().splitlines()[-1])
-    assert (summary["records"], summary["kept"], summary["max_seq_len"], summary["batching"]) == (7473, 7473, 512, "padded")
+    assert (summary["records"], summary["kept"], summary["max_seq_len"]) == (7473, 7473, 512)
+    assert summary["batching"] == "padded"
     assert summary["truncated"] == 3  # the three gsm8k problems of 512+ Qwen2 tokens
     assert "«Natalia sold 48/2 = <<48/2=24>>24 clips in May." in out
 

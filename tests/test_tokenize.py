@@ -189,7 +189,8 @@ def test_bad_input_raises_with_file_line_or_is_counted(demo_tokenizer, tmp_path)
     ])
     with pytest.raises(ValueError, match=rf"^{bad}:2: not valid JSON .*on_error: skip"):
         build_data(config(tmp_path, demo_tokenizer, [{"path": str(bad)}]))
-    no_answer = write_jsonl(tmp_path / "no_answer.jsonl", [chat("a", "b"), {"messages": [{"role": "user", "content": "q"}]}])
+    no_answer = write_jsonl(tmp_path / "no_answer.jsonl",
+                            [chat("a", "b"), {"messages": [{"role": "user", "content": "q"}]}])
     with pytest.raises(ValueError, match=rf"^{no_answer}:2: messages: no assistant turn to train on"):
         build_data(config(tmp_path, demo_tokenizer, [{"path": str(no_answer)}]))
 
@@ -252,7 +253,8 @@ def test_the_cache_second_run_does_not_tokenize_and_a_change_invalidates(demo_to
     assert build_data(cfg)[2].sources[0].cache == "hit"
     for change in [{"max_seq_len": 64}, {"train_on": "all"}, {"chat_template": DEMO_TEMPLATE + " "},
                    {"on_error": "skip"}]:
-        assert build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], **change))[2].sources[0].cache == "miss"
+        summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], **change))[2]
+        assert summary.sources[0].cache == "miss", change
     assert build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "columns": {"messages": "messages"}}])
                       )[2].sources[0].cache == "miss"
     # only finished folders are ever found: nothing half-written is left behind

@@ -253,8 +253,8 @@ class BatchSampler:
         if self.strategy == "padded":
             return self._fill(docs.tolist(), lengths.tolist())
         assert self.strategy == "length_grouped", self.strategy
-        per_batch = max(1, self.tokens_per_batch // max(1, int(lengths.mean()) if len(lengths) else 1))
-        mega = 50 * per_batch
+        mean = int(lengths.mean()) if len(lengths) else 1
+        mega = 50 * max(1, self.tokens_per_batch // max(1, mean))  # ~50 batches, as HF's LengthGroupedSampler
         batches = []
         for i in range(0, len(docs), mega):
             d, n = docs[i:i + mega], lengths[i:i + mega]

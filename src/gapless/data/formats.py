@@ -179,10 +179,10 @@ def _arrow_rows(file: Path, kind: str):
     else:  # datasets writes the Arrow IPC stream format; plain .arrow files may be the file format
         source = pa.memory_map(str(file))
         try:
-            batches = iter(pa.ipc.open_stream(source))
+            batches = pa.ipc.open_stream(source)
         except pa.ArrowInvalid:
-            batches = (b for reader in [pa.ipc.open_file(source)]
-                       for b in (reader.get_batch(k) for k in range(reader.num_record_batches)))
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(k) for k in range(reader.num_record_batches))
     n = 0
     for batch in batches:
         for row in batch.to_pylist():

@@ -57,15 +57,17 @@ class DataSummary:
     warnings: list[str] = field(default_factory=list)
 
     @classmethod
-    def build(cls, cfg: DataConfig, sources: list, mix, eval_mix, sampler) -> DataSummary:
+    def build(cls, cfg: DataConfig, train: list, evals: list, mix, eval_mix, sampler) -> DataSummary:
+        """From the SourceData of the train and eval sources, the mixtures and the train sampler."""
         rows = []
-        for s in sources:
+        for s, is_eval in [(s, False) for s in train] + [(s, True) for s in evals]:
             meta = s.dataset.meta
             counts = meta["counts"]
             dropped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dropped:")}
             rows.append(SourceSummary(
-                name=s.name, files=len(meta["files"]), cache=s.cache, seconds=round(s.seconds, 3),
-                records=meta["records"], kept=counts.get("kept", 0) + counts.get("truncated", 0) + counts.get("split", 0),
+                name=f"eval: {s.name}" if is_eval else s.name, files=len(meta["files"]), cache=s.cache,
+                seconds=round(s.seconds, 3), records=meta["records"],
+                kept=counts.get("kept", 0) + counts.get("truncated", 0) + counts.get("split", 0),
                 truncated=counts.get("truncated", 0), split=counts.get("split", 0), dropped=dropped,
                 docs=len(s.dataset), tokens=meta["tokens"], target_tokens=meta["target_tokens"],
                 first_errors=meta["first_errors"], tools_not_rendered=counts.get("tools_not_rendered", 0)))

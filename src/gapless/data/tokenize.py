@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -436,7 +436,7 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
     eval_mix = Mixture(eval_sets, [len(d) for d in eval_sets], names if cfg.eval_fraction > 0
                        else [d.name for d in evals]) if eval_sets else None
     sampler = BatchSampler.from_config(cfg, mix)
-    summary = DataSummary.build(cfg, train + evals, mix, eval_mix, sampler)
+    summary = DataSummary.build(cfg, train, evals, mix, eval_mix, sampler)
     for message in summary.warnings:
         warnings.warn(message, stacklevel=2)
     return mix, eval_mix, summary
