@@ -91,7 +91,7 @@ def accuracy(model, tokenizer, examples: list[dict]) -> tuple[float, list[tuple[
     return right / len(examples), list(zip(prompts, wanted, got))
 
 
-def run_demo(out_dir: str | Path = "runs/demo", steps: int = 300, seed: int = 0, stream=None) -> dict:
+def run_demo(out_dir: str | Path = "runs/demo", steps: int = 400, seed: int = 0, stream=None) -> dict:
     from transformers import AutoTokenizer
 
     from gapless.model.loading import load_model
@@ -122,7 +122,7 @@ def run_demo(out_dir: str | Path = "runs/demo", steps: int = 300, seed: int = 0,
                  "max_seq_len": 64, "tokens_per_batch": 1024, "batching": "packed",
                  "cache_dir": str(out / "cache"), "num_workers": 0},
         "lora": {"r": 16, "alpha": 32},
-        "optim": {"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
+        "optim": {"lr": 5e-3, "weight_decay": 0.0, "grad_clip": 1.0},
         "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
         "checkpoint": {"every": 100, "keep": 2},
         "train": {"steps": steps, "log_every": 25, "eval_every": 100, "seed": seed},

@@ -1,0 +1,78 @@
+"""`gapless export`: a run, its adapter or one of its checkpoints -> a PEFT adapter or a merged HF folder."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from gapless.config import RunConfig, from_dict
+from gapless.model.export import copy_tokenizer_files, save_pretrained
+from gapless.model.loading import load_model, resolve_dtype
+from gapless.model.lora import ADAPTER_CONFIG, apply_lora, load_adapter, merge_lora, save_adapter
+from gapless.train.checkpoint import latest_complete, load
+
+
+def run_config_of(run_dir: Path) -> RunConfig:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; is {run_dir} a gapless run folder?")
+    return from_dict(RunConfig, yaml.safe_load(path.read_text()), str(path))
+
+
+def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
+    """(adapter folder or None, checkpoint folder or None, run folder) for what the user named."""
+    if (source / ADAPTER_CONFIG).is_file():
+        return source, None, source.parent
+    if (source / "manifest.json").is_file():  # runs/x/checkpoints/step-N
+        return None, source, source.parent.parent
+    if (source / "adapter" / ADAPTER_CONFIG).is_file():
+        return source / "adapter", None, source
+    if (source / "checkpoints").is_dir():
+        latest = latest_complete(source / "checkpoints")
+        if latest is not None:
+            return None, latest, source
+    raise ValueError(f"{source}: holds no adapter (adapter_config.json), checkpoint (manifest.json) or run folder "
+                     "with either; give a run folder, its adapter/ or checkpoints/step-N")
+
+
+def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: str | None = None) -> Path:
+    source, out = Path(source), Path(out)
+    adapter_dir, checkpoint, run_dir = _resolve(source)
+    cfg = run_config_of(run_dir) if (run_dir / "config.yaml").is_file() else None
+    if adapter_dir is not None:
+        base_path = Path(json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
+        if cfg is not None and not (base_path / "config.json").is_file():
+            base_path = Path(cfg.model.path)
+        if not (base_path / "config.json").is_file():
+            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: base_model_name_or_path {str(base_path)!r} is not a "
+                             "local model folder; export from the run folder, whose config names the base")
+    else:
+        assert cfg is not None
+        base_path = Path(cfg.model.path)
+    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path) if cfg is not None else base_path
+
+    merged_dtype = resolve_dtype(dtype, None) if dtype else None
+    # merging happens in float32 so the bf16 rounding happens once, at the end
+    model = load_model(base_path, dtype=torch.float32 if merge else None)
+    if adapter_dir is not None:
+        model, lora_cfg = load_adapter(model, adapter_dir)
+    else:
+        tensors, _ = load(checkpoint)
+        lora_cfg = cfg.lora
+        apply_lora(model, lora_cfg)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, t in tensors["model"].items():
+                params[name].copy_(t)
+
+    if not merge:
+        save_adapter(model, out, lora_cfg, base_model_name_or_path=str(base_path.resolve()))
+        copy_tokenizer_files(tokenizer_dir, out)
+        return out
+    model = merge_lora(model)
+    target = merged_dtype or resolve_dtype("auto", model.config_dict)
+    save_pretrained(model.to(target), out, source_dir=base_path)
+    copy_tokenizer_files(tokenizer_dir, out)
+    return out
