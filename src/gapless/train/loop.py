@@ -26,6 +26,7 @@ from gapless.data.batching import Batch
 from gapless.kernels.loss import linear_cross_entropy
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 
 
@@ -156,59 +157,61 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     result = RunResult(run_dir=run_dir, steps=steps_total)
     progress.total = steps_total
     metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
-    batches = iter(sampler)
+    batches = Prefetcher(sampler, device)
     k = cfg.train.grad_accum
     # device-side accumulators, read every log_every steps (the loop's only host sync)
     window_loss = torch.zeros((), dtype=torch.float32, device=device)
     window_tokens = window_real = 0
     t_window = time.perf_counter()
     steps_this_run = 0
-    while step < steps_total:
-        micro = [next(batches) for _ in range(k)]
-        n_step = sum(b.num_target_tokens for b in micro)  # host ints counted by the data pipeline
-        for b in micro:
-            b = b.to(device, non_blocking=True)
-            loss_sum = batch_loss_sum(model, b)
-            (loss_sum / max(n_step, 1)).backward()
-            window_loss += loss_sum.detach()
-        grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        steps_this_run += 1
-        window_tokens += n_step
-        window_real += sum(b.num_real_tokens for b in micro)
+    try:
+        while step < steps_total:
+            micro = [batches.next() for _ in range(k)]  # already on the device
+            n_step = sum(b.num_target_tokens for b in micro)  # host ints counted by the data pipeline
+            for b in micro:
+                loss_sum = batch_loss_sum(model, b)
+                (loss_sum / max(n_step, 1)).backward()
+                window_loss += loss_sum.detach()
+            grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            steps_this_run += 1
+            window_tokens += n_step
+            window_real += sum(b.num_real_tokens for b in micro)
 
-        if step % cfg.train.log_every == 0 or step == steps_total:
-            loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
-            now = time.perf_counter()
-            tok_s = window_real / max(now - t_window, 1e-9)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                      "real_tokens": window_real, "trained_tokens": window_tokens, "tokens_per_s": tok_s,
-                      "elapsed_s": now - t_start}
-            write_metrics(metrics, record)
-            result.losses[step] = loss
-            progress.update(step, loss, tok_s, lr)
-            window_loss.zero_()
-            window_tokens = window_real = 0
-            t_window = time.perf_counter()
+            if step % cfg.train.log_every == 0 or step == steps_total:
+                loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
+                now = time.perf_counter()
+                tok_s = window_real / max(now - t_window, 1e-9)
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                          "real_tokens": window_real, "trained_tokens": window_tokens, "tokens_per_s": tok_s,
+                          "elapsed_s": now - t_start}
+                write_metrics(metrics, record)
+                result.losses[step] = loss
+                progress.update(step, loss, tok_s, lr)
+                window_loss.zero_()
+                window_tokens = window_real = 0
+                t_window = time.perf_counter()
 
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
-            checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
-                             {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                              "rng": capture_rng_state()})
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
+                checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
+                                 {"step": step, "scheduler": scheduler.state_dict(), "sampler": batches.state,
+                                  "rng": capture_rng_state()})
 
-        if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps_total:
-            ev = evaluate(model, eval_batches, device)
-            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
-            progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
+            if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps_total:
+                ev = evaluate(model, eval_batches, device)
+                write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
+                progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
-        if stop_after is not None and steps_this_run >= stop_after:
-            break
-    checkpoints.close()
-    progress.close()
+            if stop_after is not None and steps_this_run >= stop_after:
+                break
+    finally:
+        batches.close()
+        checkpoints.close()
+        progress.close()
 
     if step == steps_total:
         if eval_batches:

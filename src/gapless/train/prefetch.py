@@ -1,0 +1,65 @@
+"""Batches made ahead of the step that uses them, in a background thread, copied to the device early.
+
+The sampler collates numpy rows into tensors (host work); on CUDA the batch is pinned so its copy to
+the device runs asynchronously. A bounded queue of `depth` batches keeps the host ahead of the GPU
+without reading the whole epoch.
+
+The sampler runs ahead of the loop, so its own state is not what a checkpoint needs: each batch
+travels with the sampler state taken right after it was drawn, and `state` is that of the last
+batch the loop took, so a resumed run continues with exactly the next one.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from gapless.data.batching import Batch, BatchSampler
+
+_DONE = object()
+
+
+class Prefetcher:
+    def __init__(self, sampler: BatchSampler, device: torch.device, depth: int = 2):
+        self.device = device
+        self.state = sampler.state_dict()
+        self.wait_seconds = 0.0  # time the loop spent waiting for a batch: input-bound when it grows
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._produce, args=(sampler,), daemon=True, name="gapless-prefetch")
+        self._thread.start()
+
+    def _produce(self, sampler: BatchSampler) -> None:
+        pin = self.device.type == "cuda"
+        try:
+            for batch in sampler:
+                if pin:
+                    batch = batch.pin_memory()
+                item = (batch, sampler.state_dict())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # surfaced in next(): a data error must stop the run, not hang it
+            self._error = e
+            self._queue.put(_DONE)
+
+    def next(self) -> Batch:
+        t = time.perf_counter()
+        item = self._queue.get()
+        self.wait_seconds += time.perf_counter() - t
+        if item is _DONE:
+            raise self._error
+        batch, self.state = item
+        return batch.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
