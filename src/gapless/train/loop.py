@@ -96,6 +96,23 @@ def write_metrics(f, record: dict) -> None:
     f.flush()
 
 
+def open_metrics(path: Path, resumed_step: int):
+    """metrics.jsonl for appending. A resumed run redoes the steps after its checkpoint, so the records
+    the interrupted run wrote for them (and a line cut short by the kill) are dropped, not duplicated."""
+    if not resumed_step:
+        return open(path, "w")
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= resumed_step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    path.write_text("".join(kept))
+    return open(path, "a")
+
+
 def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResult:
     """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a test's simulated crash).
 
@@ -156,7 +173,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
 
     result = RunResult(run_dir=run_dir, steps=steps_total)
     progress.total = steps_total
-    metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
+    metrics = open_metrics(run_dir / "metrics.jsonl", step)
     batches = Prefetcher(sampler, device)
     k = cfg.train.grad_accum
     # device-side accumulators, read every log_every steps (the loop's only host sync)
