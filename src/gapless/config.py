@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 import warnings
@@ -123,6 +124,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -168,6 +172,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        # YAML 1.1 (PyYAML) reads `2e-4`, without a dot, as a string; it is the number the user meant
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -220,21 +227,32 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (values parsed as YAML: `3`, `true`, `[q_proj, v_proj]`)."""
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value, e.g. train.lr=2e-4")
+            raise ValueError(f"override {item!r}: expected key=value, e.g. optim.lr=2e-4")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else ""
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); "
+                             "quote it, e.g. key='{{ ... }}'") from None
         node = data
         parts = key.strip().split(".")
+
+        def index(i: int) -> int:  # node is a list: parts[i] must name one of its entries
+            if not parts[i].isdigit() or int(parts[i]) >= len(node):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[:i])} is a list of {len(node)} entries; "
+                                 f"{parts[i]!r} is not an index into it")
+            return int(parts[i])
+
         for i, part in enumerate(parts[:-1]):
             if isinstance(node, list):
-                node = node[int(part)]
+                node = node[index(i)]
                 continue
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, (dict, list)):
                 raise ValueError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
             node = nxt
         if isinstance(node, list):
-            node[int(parts[-1])] = value
+            node[index(len(parts) - 1)] = value
         else:
             node[parts[-1]] = value
     return data
