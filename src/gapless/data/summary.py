@@ -119,7 +119,8 @@ class DataSummary:
             lines.append("first skipped records:")
             lines += [f"  {e}" for e in errors]
         lines.append(f"train: {self.train_docs:,} documents, {self.train_tokens:,} tokens per epoch; "
-                     f"{self.batches_per_epoch:,} batches of {self.tokens_per_batch:,} slots ({self.batching}, "
+                     f"{self.batches_per_epoch:,} batches of {'' if self.batching == 'packed' else 'up to '}"
+                     f"{self.tokens_per_batch:,} slots ({self.batching}, "
                      f"max_seq_len {self.max_seq_len:,})")
         lines.append(f"packing efficiency: {100 * self.packing_efficiency:.2f}% (real tokens / slots)")
         if self.eval_docs:
