@@ -109,6 +109,27 @@ def run_demo(args) -> int:
 COMMANDS += [register_train, register_export, register_demo]
 
 
+def register_report(sub) -> None:
+    p = sub.add_parser("report", help="write RUN/report.html: plots, time accounting, GPU findings",
+                       description="Read a run folder (config.yaml, metrics.jsonl, gpu.jsonl, gap.json) and write "
+                                   "RUN/report.html, one self-contained page with the plots embedded.")
+    p.add_argument("run", metavar="RUN", help="the run folder (its output_dir)")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to RUN/tensorboard")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    from gapless.meter.report import write_report, write_tensorboard
+
+    print(f"wrote {write_report(args.run)}")
+    if args.tensorboard:
+        print(f"wrote {write_tensorboard(args.run)}")
+    return 0
+
+
+COMMANDS.append(register_report)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,0 +1,482 @@
+"""The run report: RUN/report.html from the files of a run folder, and TensorBoard event files as an option.
+
+The report only reads files; metrics.jsonl stays the source of truth. It reads:
+
+    config.yaml     the run's config (the header's summary)
+    metrics.jsonl   one JSON object a line: training records ({"step", "loss", "lr", "real_tokens",
+                    "trained_tokens", "tokens_per_s", "elapsed_s", ...; "mfu" as a fraction of peak when
+                    the loop measures it}), evaluation records ({"step", "eval_loss", ...}) and time records
+                    ({"kind": "time", ...}, see gapless.meter.timeline)
+    gpu.jsonl       GPU samples (optional; see gapless.meter.monitor)
+    gap.json        the throughput gap waterfall (optional; format below)
+
+report.html is one self-contained file: inline CSS, each plot a PNG in a base64 data URI, no script and
+no external resource, so it can be mailed or attached to an issue as is.
+
+gap.json: how far this run's throughput is from what the machine could do, factor by factor.
+
+    {"baseline": {"label": "this run", "tokens_per_s": 8200.0},
+     "steps": [{"factor": "padding", "tokens_per_s": 9900.0, "delta": 1700.0,
+                "fix": "data.batching: packed"},
+               {"factor": "data wait", "tokens_per_s": 10400.0, "delta": 500.0,
+                "fix": "data.num_workers: 8"}]}
+
+`baseline.tokens_per_s` is the measured throughput (real tokens/s); each step removes one factor, in
+order: its `tokens_per_s` is the throughput with that and every earlier factor removed, and `delta` is
+the change from the previous value (`tokens_per_s` minus the previous one; negative when removing the
+factor costs throughput). `fix` says what removes it. The last step's `tokens_per_s` is what the
+run could reach. The waterfall draws the baseline, one floating bar per step and that final value.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from gapless.meter.monitor import Finding, diagnose, load_samples
+from gapless.meter.timeline import CATEGORIES, LABELS, session_totals
+
+COLORS = {"train": "#2f6db5", "eval": "#e07b28", "grid": "#e6e8eb", "up": "#3a9a5b", "down": "#c8473d",
+          "base": "#7a8591"}
+CATEGORY_COLORS = {"startup": "#9aa5b1", "compute": "#2f6db5", "data_wait": "#e07b28", "h2d_copy": "#c9a227",
+                   "checkpoint": "#c8473d", "eval": "#7d5ba6", "logging": "#3a9a5b", "other": "#5d6b78"}
+
+
+@dataclass
+class Run:
+    """What a run folder holds, as read by `read_run`."""
+    path: Path
+    config: dict
+    train: list[dict] = field(default_factory=list)  # one per logged step (the last one written wins)
+    eval: list[dict] = field(default_factory=list)
+    time: list[dict] = field(default_factory=list)
+    gpu: list[dict] = field(default_factory=list)
+    gap: dict | None = None
+
+
+def read_run(run_dir: str | Path) -> Run:
+    path = Path(run_dir)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl here; give the folder of a run (its output_dir)")
+    config_file = path / "config.yaml"
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
+    run = Run(path, config)
+    train: dict[int, dict] = {}
+    for r in load_samples(metrics):  # JSON lines, a torn last line left out
+        if r.get("kind") == "time":
+            run.time.append(r)
+        elif "eval_loss" in r:
+            run.eval.append(r)
+        elif "loss" in r:
+            train[r["step"]] = r
+    run.train = [train[s] for s in sorted(train)]
+    if (path / "gpu.jsonl").is_file():
+        run.gpu = load_samples(path / "gpu.jsonl")
+    if (path / "gap.json").is_file():
+        run.gap = read_gap(path / "gap.json")
+    return run
+
+
+def read_gap(path: Path) -> dict:
+    """gap.json, checked against the format in the module doc."""
+    try:
+        gap = json.loads(path.read_text())
+        base = gap["baseline"]
+        label, previous = str(base["label"]), float(base["tokens_per_s"])
+        steps = gap["steps"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{'baseline': {{'label', 'tokens_per_s'}}, 'steps': [...]}} ({e!r})") from None
+    for i, step in enumerate(steps):
+        missing = {"factor", "tokens_per_s", "delta", "fix"} - set(step)
+        if missing:
+            raise ValueError(f"{path}: steps[{i}] lacks {sorted(missing)}")
+        expected = step["tokens_per_s"] - previous
+        if not math.isclose(step["delta"], expected, rel_tol=0.01, abs_tol=1.0):
+            raise ValueError(f"{path}: steps[{i}] ({step['factor']}): delta {step['delta']} but tokens_per_s "
+                             f"goes from {previous} to {step['tokens_per_s']} ({expected:+})")
+        previous = step["tokens_per_s"]
+    return {"baseline": {"label": label, "tokens_per_s": float(base["tokens_per_s"])}, "steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers
+
+
+def throughput(run: Run) -> dict:
+    """Real tokens, trained tokens and tokens/s of the run.
+
+    steady: real tokens over the time of the logged windows, each window's time being
+    real_tokens / tokens_per_s (the windows tile the training from the first step to the last log,
+    checkpoints and evaluations inside them included). end_to_end: real tokens over the wall time
+    (startup included) when time records exist.
+    """
+    real = sum(r.get("real_tokens", 0) for r in run.train)
+    trained = sum(r.get("trained_tokens", 0) for r in run.train)
+    seconds = sum(r["real_tokens"] / r["tokens_per_s"] for r in run.train
+                  if r.get("tokens_per_s") and r.get("real_tokens"))
+    totals = session_totals(run.time)
+    out = {"real_tokens": real, "trained_tokens": trained, "steady": real / seconds if seconds else None,
+           "end_to_end": real / totals["wall"] if totals and totals["wall"] > 0 else None}
+    mfus = [r["mfu"] for r in run.train if r.get("mfu") is not None]
+    out["mfu"] = sum(mfus) / len(mfus) if mfus else None
+    return out
+
+
+def checkpoint_steps(run: Run) -> list[int]:
+    every = (run.config.get("checkpoint") or {}).get("every") or 0
+    last = run.train[-1]["step"] if run.train else 0
+    if not every or not last:
+        return []
+    steps = list(range(every, last + 1, every))
+    return steps if steps and steps[-1] == last else [*steps, last]  # the loop also saves the last step
+
+
+def findings(run: Run) -> list[Finding]:
+    step_times = {r["step"]: r["elapsed_s"] for r in run.train if "elapsed_s" in r}
+    return diagnose(_joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
+
+
+def _joined_sessions(samples: list[dict]) -> list[dict]:
+    """GPU samples on one time axis: a resumed run's samples restart at t=0; shift each session to follow the last."""
+    out, offset, last = [], 0.0, None
+    for s in samples:
+        if last is not None and s["t"] < last:
+            offset += last
+        last = s["t"]
+        out.append({**s, "t": s["t"] + offset})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# plots: one matplotlib Figure each (no pyplot, so no global figure state), returned as PNG bytes
+
+
+SMALL, WIDE = 5.6, 10.2  # inches at 110 dpi: a grid cell (~535 px, shown downscaled) and the full width (~1100 px)
+
+
+def _figure(height: float = 3.2, width: float = SMALL, rows: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, color=COLORS["grid"], linewidth=0.8)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        ax.tick_params(labelsize=8)
+    return fig, axes
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def plot_loss(run: Run) -> bytes:
+    fig, (ax,) = _figure()
+    ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=COLORS["train"], lw=1.4,
+            label="train loss")
+    if run.eval:
+        ax.plot([r["step"] for r in run.eval], [r["eval_loss"] for r in run.eval], "o-", color=COLORS["eval"],
+                ms=4, lw=1.2, label="eval loss")
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel("loss (per trained token)", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def plot_lr(run: Run) -> bytes:
+    fig, (ax,) = _figure()
+    ax.plot([r["step"] for r in run.train], [r["lr"] for r in run.train], color=COLORS["train"], lw=1.4)
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel("learning rate", fontsize=9)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:.2e}" if v else "0")
+    return _png(fig)
+
+
+def plot_tokens_per_s(run: Run, steady: float | None) -> bytes:
+    fig, (ax,) = _figure()
+    ax.plot([r["step"] for r in run.train], [r["tokens_per_s"] for r in run.train], color=COLORS["train"], lw=1.4,
+            label="each logged window")
+    if steady:
+        ax.axhline(steady, color=COLORS["base"], ls="--", lw=1, label=f"run: {steady:,.0f}")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel("real tokens / s", fontsize=9)
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    return _png(fig)
+
+
+def plot_gpu(samples: list[dict]) -> bytes:
+    fig, (top, bottom) = _figure(rows=2)
+    t = [s["t"] for s in samples]
+    top.plot(t, [s.get("util") for s in samples], color=COLORS["train"], lw=1.0)
+    top.set_ylim(0, 105)
+    top.set_ylabel("utilisation %", fontsize=9)
+    used = [None if s.get("mem_used_mib") is None else s["mem_used_mib"] / 1024 for s in samples]
+    bottom.plot(t, used, color=COLORS["eval"], lw=1.2, label="used")
+    totals = [s["mem_total_mib"] / 1024 for s in samples if s.get("mem_total_mib")]
+    if totals:
+        bottom.axhline(max(totals), color=COLORS["base"], ls="--", lw=1, label=f"total {max(totals):.0f} GiB")
+        bottom.set_ylim(0, max(totals) * 1.08)
+    bottom.set_ylabel("memory GiB", fontsize=9)
+    bottom.set_xlabel("run time (s)", fontsize=9)
+    bottom.legend(fontsize=8, frameon=False, loc="lower right")
+    return _png(fig)
+
+
+def plot_time(totals: dict[str, float]) -> bytes:
+    fig, (ax,) = _figure(height=3.0, width=WIDE)
+    wall = max(totals["wall"], 1e-9)
+    cats = list(reversed(CATEGORIES))  # startup on top
+    values = [totals[c] for c in cats]
+    ax.barh([LABELS[c] for c in cats], values, color=[CATEGORY_COLORS[c] for c in cats], height=0.65)
+    for i, v in enumerate(values):
+        ax.text(v + wall * 0.01, i, f"{v:,.1f} s  ({100 * v / wall:.1f}%)", va="center", fontsize=8)
+    ax.set_xlim(0, max(values) * 1.28 if max(values) > 0 else 1)
+    ax.set_xlabel(f"seconds (wall {wall:,.1f} s)", fontsize=9)
+    ax.tick_params(axis="y", labelsize=9)
+    ax.grid(False, axis="y")
+    return _png(fig)
+
+
+def plot_gap(gap: dict) -> bytes:
+    steps = gap["steps"]
+    fig, (ax,) = _figure(height=3.4, width=WIDE)
+    base = gap["baseline"]["tokens_per_s"]
+    final = steps[-1]["tokens_per_s"] if steps else base
+    labels = [gap["baseline"]["label"]] + [s["factor"] for s in steps] + ["reachable"]
+    ax.bar(0, base, color=COLORS["base"], width=0.6)
+    ax.text(0, base, f"{base:,.0f}", ha="center", va="bottom", fontsize=8)
+    previous = base
+    for i, s in enumerate(steps, 1):
+        delta = s["tokens_per_s"] - previous
+        ax.bar(i, delta, bottom=previous, color=COLORS["up"] if delta >= 0 else COLORS["down"], width=0.6)
+        ax.text(i, max(previous, s["tokens_per_s"]), f"{delta:+,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.plot([i - 1 + 0.3, i - 0.3], [previous, previous], color=COLORS["base"], lw=0.8, ls=":")
+        previous = s["tokens_per_s"]
+    n = len(steps) + 1
+    ax.plot([n - 1 + 0.3, n - 0.3], [previous, previous], color=COLORS["base"], lw=0.8, ls=":")
+    ax.bar(n, final, color=COLORS["train"], width=0.6)
+    ax.text(n, final, f"{final:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=20 if len(labels) > 6 else 0, ha="center")
+    ax.set_ylabel("real tokens / s", fontsize=9)
+    ax.set_ylim(0, max(base, final, *(s["tokens_per_s"] for s in steps)) * 1.12)
+    ax.grid(False, axis="x")
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+
+CSS = """
+body{margin:0;background:#f5f6f8;color:#1d2733;font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif}
+main{max-width:1120px;margin:0 auto;padding:24px 28px 48px}
+h1{font-size:22px;margin:0 0 2px}h1 span{color:#5d6b78;font-weight:400}
+h2{font-size:16px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #dde1e6}
+.sub{color:#5d6b78;margin:0 0 18px;font-size:12px}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(160px,1fr));gap:10px}
+.card{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:10px 12px}
+.card .v{font-size:19px;font-weight:600;font-variant-numeric:tabular-nums}.card .k{color:#5d6b78;font-size:12px}
+table{border-collapse:collapse;background:#fff;border:1px solid #dde1e6;font-size:13px}
+td,th{padding:4px 10px;border-bottom:1px solid #eceff2;text-align:left;vertical-align:top}
+th{background:#f0f2f5;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.config{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:0 18px}
+.config div{display:flex;justify-content:space-between;align-items:baseline;border-bottom:1px solid #e6e8eb;padding:3px 0}
+.config span:first-child{color:#5d6b78}.config span:last-child{font-family:ui-monospace,Menlo,Consolas,monospace;
+font-size:12px;overflow-wrap:anywhere;text-align:right;padding-left:12px}
+.grid{display:grid;grid-template-columns:1fr 1fr;gap:14px}
+figure{margin:0;background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:8px}
+figure img{width:100%;height:auto;display:block}figcaption{font-size:13px;font-weight:600;margin:0 0 4px 4px}
+.note{background:#fff;border:1px dashed #c3cad2;border-radius:6px;padding:14px;color:#5d6b78}
+.finding{background:#fff;border:1px solid #dde1e6;border-left:4px solid #c8473d;border-radius:4px;padding:8px 12px;
+margin-bottom:8px}.finding b{display:block}.finding .e,.finding .f{font-size:13px}.finding .f{color:#2f5f3a}
+.ok{border-left-color:#3a9a5b}
+"""
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+
+
+def _figure_html(title: str, png: bytes | None, note: str = "") -> str:
+    body = _img(png, title) if png is not None else f'<div class="note">{html.escape(note)}</div>'
+    return f"<figure><figcaption>{html.escape(title)}</figcaption>{body}</figure>"
+
+
+def _config_rows(config: dict) -> list[tuple[str, str]]:
+    def get(dotted: str):
+        node = config
+        for key in dotted.split("."):
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    data = config.get("data") or {}
+    sources = ", ".join(str(s.get("name") or s.get("path")) for s in data.get("sources") or [])
+    rows = [("model", get("model.path")), ("dtype / device", _join(get("model.dtype"), get("model.device"))),
+            ("method", get("method")),
+            ("LoRA r / alpha", _join(get("lora.r"), get("lora.alpha")) if get("method") == "lora" else None),
+            ("data", sources or None), ("batching", _join(get("data.batching"), get("data.tokens_per_batch"),
+                                                           sep=", tokens/batch ")),
+            ("max_seq_len", get("data.max_seq_len")), ("grad_accum", get("train.grad_accum")),
+            ("steps / epochs", _join(get("train.steps") or "-", get("train.epochs"))),
+            ("optimizer lr", get("optim.lr")), ("schedule", _join(get("schedule.kind"), _warmup(config), sep=", ")),
+            ("checkpoint every", get("checkpoint.every")), ("seed", get("train.seed"))]
+    return [(k, f"{v:g}" if isinstance(v, float) else str(v)) for k, v in rows if v is not None]
+
+
+def _warmup(config: dict) -> str | None:
+    schedule = config.get("schedule") or {}
+    if schedule.get("warmup_steps"):
+        return f"warmup {schedule['warmup_steps']} steps"
+    if schedule.get("warmup_ratio"):
+        return f"warmup {schedule['warmup_ratio']:.0%} of steps"
+    return None
+
+
+def _join(*values, sep: str = " / ") -> str | None:
+    present = [str(v) for v in values if v is not None]
+    return sep.join(present) if present else None
+
+
+def _card(value: str, key: str) -> str:
+    return f'<div class="card"><div class="v">{html.escape(value)}</div><div class="k">{html.escape(key)}</div></div>'
+
+
+def render(run: Run) -> str:
+    """The report page of `run` as one HTML string."""
+    numbers = throughput(run)
+    totals = session_totals(run.time)
+    last = run.train[-1] if run.train else {}
+    cards = [_card(f"{last.get('step', 0):,}", "optimizer steps"),
+             _card(f"{last['loss']:.4f}" if last else "-", "final train loss")]
+    if run.eval:
+        cards.append(_card(f"{run.eval[-1]['eval_loss']:.4f}", "final eval loss"))
+    cards.append(_card(f"{numbers['real_tokens']:,}", "real tokens (no padding)"))
+    if numbers["steady"]:
+        cards.append(_card(f"{numbers['steady']:,.0f}", "real tokens/s, training"))
+    if numbers["end_to_end"]:
+        cards.append(_card(f"{numbers['end_to_end']:,.0f}", "real tokens/s, end to end"))
+    if numbers["mfu"] is not None:
+        cards.append(_card(f"{100 * numbers['mfu']:.1f}%", "MFU (mean over the run)"))
+    if totals:
+        cards.append(_card(_duration(totals["wall"]), "wall time"))
+
+    found = findings(run)
+    monitor_note = "" if run.gpu else (" No gpu.jsonl: the GPU monitor did not run (a CPU run, or NVML not "
+                                       "available), so the rules use the time accounting only.")
+    if found:
+        finding_html = "".join(f'<div class="finding"><b>{html.escape(f.cause)}</b><div class="e">{html.escape(f.evidence)}'
+                               f'</div><div class="f">fix: {html.escape(f.fix)}</div></div>' for f in found)
+    else:
+        finding_html = (f'<div class="finding ok"><b>no findings</b><div class="e">none of the rules (input-bound, '
+                        f'I/O-bound, throttling, under-used GPU) fired.</div></div>')
+    if monitor_note:
+        finding_html += f'<p class="note">{html.escape(monitor_note.strip())}</p>'
+
+    plots = [_figure_html("Loss", plot_loss(run) if run.train else None, "no training records yet"),
+             _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
+             _figure_html("Throughput (real tokens/s)", plot_tokens_per_s(run, numbers["steady"]) if run.train else None,
+                          "no training records yet"),
+             _figure_html("GPU utilisation and memory", plot_gpu(_joined_sessions(run.gpu)) if run.gpu else None,
+                          "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
+
+    if totals:
+        rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
+                       f'<td class="n">{100 * totals[c] / max(totals["wall"], 1e-9):.1f}%</td></tr>' for c in CATEGORIES)
+        sessions = len({r["started"] for r in run.time})
+        resumed = f" over {sessions} sessions (resumed)" if sessions > 1 else ""
+        time_html = (_figure_html(f"Where the time went{resumed}", plot_time(totals))
+                     + f'<table style="margin-top:10px"><tr><th>category</th><th>seconds</th><th>share</th></tr>{rows}'
+                     f'<tr><th>wall</th><th class="n">{totals["wall"]:,.1f}</th><th class="n">100%</th></tr></table>')
+    else:
+        time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
+
+    if run.gap:
+        rows = "".join(f'<tr><td>{html.escape(str(s["factor"]))}</td><td class="n">{s["delta"]:+,.0f}</td>'
+                       f'<td class="n">{s["tokens_per_s"]:,.0f}</td><td>{html.escape(str(s["fix"]))}</td></tr>'
+                       for s in run.gap["steps"])
+        gap_html = (_figure_html("Throughput gap, factor by factor", plot_gap(run.gap))
+                    + '<table style="margin-top:10px"><tr><th>factor</th><th>tokens/s gained</th><th>tokens/s after</th>'
+                    f'<th>fix</th></tr>{rows}</table>')
+        gap_html = f"<h2>Throughput gap</h2>{gap_html}"
+    else:
+        gap_html = ""
+
+    config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
+                          for k, v in _config_rows(run.config)) or "<p class='note'>no config.yaml</p>"
+    name = html.escape(run.path.resolve().name)
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gapless report: {name}</title><style>{CSS}</style></head>
+<body><main>
+<h1>gapless run report <span>{name}</span></h1>
+<p class="sub">{html.escape(str(run.path.resolve()))} &middot; generated {when} from metrics.jsonl{', gpu.jsonl' if run.gpu else ''}{', gap.json' if run.gap else ''}</p>
+<div class="cards">{''.join(cards)}</div>
+<h2>Findings</h2>{finding_html}
+<h2>Run config</h2><div class="config">{config_html}</div>
+<h2>Training</h2><div class="grid">{''.join(plots)}</div>
+<h2>Time accounting</h2>{time_html}
+{gap_html}
+</main></body></html>
+"""
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s"
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write RUN/report.html (self-contained) and return its path."""
+    run = read_run(run_dir)
+    out = run.path / "report.html"
+    out.write_text(render(run), encoding="utf-8")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard, optional
+
+
+def write_tensorboard(run_dir: str | Path) -> Path:
+    """Write the run's metrics as TensorBoard scalars into RUN/tensorboard/ and return that folder.
+    Needs the `tensorboard` package (torch.utils.tensorboard writes the event files)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("TensorBoard event files need the tensorboard package: pip install tensorboard "
+                         "(report.html needs nothing more)") from None
+    run = read_run(run_dir)
+    out = run.path / "tensorboard"
+    writer = SummaryWriter(str(out))
+    try:
+        for r in run.train:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if r.get(key) is not None:
+                    writer.add_scalar(f"train/{key}", r[key], r["step"])
+        for r in run.eval:
+            writer.add_scalar("eval/loss", r["eval_loss"], r["step"])
+        for r in run.time:
+            for c, v in r["seconds"].items():
+                writer.add_scalar(f"time/{c}_s", v, r["step"])
+        for s in _joined_sessions(run.gpu):  # x: milliseconds of run time
+            for key in ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c"):
+                if s.get(key) is not None:
+                    writer.add_scalar(f"gpu/{key}", s[key], int(s["t"] * 1000))
+    finally:
+        writer.close()
+    return out
