@@ -91,7 +91,24 @@ def accuracy(model, tokenizer, examples: list[dict]) -> tuple[float, list[tuple[
     return right / len(examples), list(zip(prompts, wanted, got))
 
 
-def run_demo(out_dir: str | Path = "runs/demo", steps: int = 400, seed: int = 0, stream=None) -> dict:
+def run_demo(out_dir: str | Path = "runs/demo", steps: int = 400, seed: int = 0, stream=None,
+             threads: int | None = 1) -> dict:
+    """The demo with torch's intra-op threads set to `threads` (None: leave them) and restored after.
+
+    One thread, because the model's matmuls are too small for threads to pay much (about 8k real
+    tokens/s on one, at best 10k seen on two), while every parallel op waits for its slowest thread:
+    on 2 cores shared with other work (load 3-5), 100 demo steps took 180-200 s with 2 threads and
+    13-20 s with 1.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return _run_demo(Path(out_dir), steps, seed, stream)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_demo(out: Path, steps: int, seed: int, stream) -> dict:
     from transformers import AutoTokenizer
 
     from gapless.model.loading import load_model
@@ -101,7 +118,6 @@ def run_demo(out_dir: str | Path = "runs/demo", steps: int = 400, seed: int = 0,
     stream = stream or sys.stdout
     say = lambda text: print(text, file=stream, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    out = Path(out_dir)
     base = write_base_model(out / "base", seed)
     train_file = demo_task.write_jsonl(demo_task.make_examples(6000, seed=seed + 1), out / "data" / "train.jsonl")
     held_out = demo_task.make_examples(200, seed=seed + 2)
