@@ -134,7 +134,8 @@ class FakeGpu:
                 assert enable_timing
                 self.done = None
 
-            def record(self):
+            def record(self, stream):
+                assert stream == "stream"
                 gpu.free_at = max(gpu.free_at, gpu.clock.t)
                 self.done = gpu.free_at
 
@@ -152,6 +153,7 @@ def fake_cuda(monkeypatch):
     clock = Clock()
     gpu = FakeGpu(clock)
     monkeypatch.setattr(tl.torch.cuda, "Event", gpu.event_class())
+    monkeypatch.setattr(tl.torch.cuda, "current_stream", lambda device: "stream")
     return clock, gpu
 
 
