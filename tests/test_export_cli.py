@@ -1,0 +1,178 @@
+"""`gapless train` and `gapless export` through cli.main on the demo's tiny Llama: a YAML config with
+overrides, --resume, export as a PEFT adapter or a merged HF folder from a run, its adapter/ or a
+checkpoint, and one clear error line (exit 2) for the user's mistakes."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from gapless import cli, demo_task
+from gapless.config import load_config
+from gapless.demo import write_base_model
+from gapless.model.loading import load_model
+from gapless.model.lora import load_adapter
+from gapless.train.loop import train
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """The tiny base model, 100 messages records and a run config file of 4 steps (checkpoints at 2 and 4)."""
+    root = tmp_path_factory.mktemp("cli")
+    base = write_base_model(root / "base", seed=1)
+    data = demo_task.write_jsonl(demo_task.make_examples(100, seed=7), root / "train.jsonl")
+    config = root / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(base), "dtype": "float32", "device": "cpu"},
+        "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
+                 "tokens_per_batch": 128, "cache_dir": str(root / "cache"), "num_workers": 0},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        "optim": {"lr": 2.0e-2},
+        "checkpoint": {"every": 2, "keep": 3},
+        "train": {"steps": STEPS, "log_every": 1},
+        "output_dir": str(root / "runs" / "default"),
+        "progress": False,
+    }))
+    return {"root": root, "base": base, "config": config}
+
+
+@pytest.fixture(scope="module")
+def run(setup) -> Path:
+    """`gapless train run.yaml output_dir=... lora.r=8`: a finished run folder."""
+    out = setup["root"] / "runs" / "cli"
+    assert cli.main(["train", str(setup["config"]), f"output_dir={out}", "lora.r=8"]) == 0
+    return out
+
+
+def adapter_tensors(folder: Path) -> dict:
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@torch.no_grad()
+def logits_of(base: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
+    model = load_model(base)
+    if adapter is not None:
+        model, _ = load_adapter(model, adapter)
+    return model.eval()(ids)
+
+
+def test_train_writes_the_run_folder_with_overrides(setup, run):
+    cfg = load_config(run / "config.yaml")
+    assert cfg.lora.r == 8 and cfg.output_dir == str(run)  # the overrides, resolved into the run's config
+    assert cfg == load_config(setup["config"], [f"output_dir={run}", "lora.r=8"])
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 8 and adapter_cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
+    assert Path(adapter_cfg["base_model_name_or_path"]) == setup["base"].resolve()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def test_train_resume_flag_continues_a_stopped_run(setup, run):
+    """A run stopped after step 3, then `gapless train run.yaml ... --resume`: the same final adapter."""
+    out = setup["root"] / "runs" / "resumed"
+    overrides = [f"output_dir={out}", "lora.r=8"]
+    train(load_config(setup["config"], overrides), stop_after=3)
+    assert not (out / "adapter").exists()
+    assert cli.main(["train", str(setup["config"]), *overrides, "--resume"]) == 0
+    assert load_config(out / "config.yaml").resume is True
+    assert_same_tensors(adapter_tensors(out / "adapter"), adapter_tensors(run / "adapter"))
+
+
+def test_train_config_mistake_is_one_line_exit_2(setup, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(setup["config"].read_text().replace("steps: 4", "stesp: 4"))
+    assert cli.main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gapless train: error: ") and err.count("\n") == 1
+    assert f"{bad}.train.stesp: unknown key; did you mean 'steps'?" in err
+    assert cli.main(["train", str(setup["config"]), "optim.lr=fast"]) == 2
+    assert "optim.lr: expected a number, got 'fast'" in capsys.readouterr().err
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_export_adapter_from_run_adapter_dir_and_checkpoint(setup, run, tmp_path, capsys):
+    final = adapter_tensors(run / "adapter")
+    for source in (run, run / "adapter", run / "checkpoints" / "step-00000004"):
+        out = tmp_path / source.name
+        assert cli.main(["export", str(source), "--out", str(out)]) == 0
+        assert "wrote PEFT adapter" in capsys.readouterr().out
+        assert_same_tensors(adapter_tensors(out), final)
+        assert json.loads((out / "adapter_config.json").read_text()) == \
+            json.loads((run / "adapter" / "adapter_config.json").read_text())
+        assert (out / "tokenizer.json").is_file()
+    out = tmp_path / "step-2"
+    assert cli.main(["export", str(run / "checkpoints" / "step-00000002"), "--out", str(out)]) == 0
+    assert any(not torch.equal(t, final[k]) for k, t in adapter_tensors(out).items())
+
+
+def test_export_of_a_stopped_run_takes_its_newest_complete_checkpoint(setup, tmp_path):
+    """A run folder without adapter/ (stopped after step 3) and a step-4 checkpoint whose write was
+    killed before its manifest: export warns and takes checkpoint 2."""
+    stopped = setup["root"] / "runs" / "stopped"
+    train(load_config(setup["config"], [f"output_dir={stopped}", "lora.r=8"]), stop_after=3)
+    assert not (stopped / "adapter").exists()
+    killed = stopped / "checkpoints" / "step-00000004"
+    shutil.copytree(stopped / "checkpoints" / "step-00000002", killed)
+    (killed / "manifest.json").unlink()
+    with pytest.warns(UserWarning, match="step-00000004: manifest.json is missing"):
+        assert cli.main(["export", str(stopped), "--out", str(tmp_path / "a")]) == 0
+    assert cli.main(["export", str(stopped / "checkpoints" / "step-00000002"), "--out", str(tmp_path / "b")]) == 0
+    assert_same_tensors(adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("source", ["run", "adapter", "checkpoint"])
+def test_export_merged_has_the_adapted_logits(setup, run, tmp_path, source):
+    from transformers import AutoModelForCausalLM
+
+    src = {"run": run, "adapter": run / "adapter", "checkpoint": run / "checkpoints" / "step-00000004"}[source]
+    out = tmp_path / "merged"
+    assert cli.main(["export", str(src), "--merge", "--out", str(out)]) == 0
+    ids = torch.randint(5, demo_task.vocab_size(), (2, 24), generator=torch.Generator().manual_seed(0))
+    want = logits_of(setup["base"], run / "adapter", ids)
+    assert (logits_of(setup["base"], None, ids) - want).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(logits_of(out, None, ids), want, rtol=0, atol=1e-4)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=0, atol=1e-4)
+
+
+def test_export_merged_dtype(setup, run, tmp_path):
+    out = tmp_path / "bf16"
+    assert cli.main(["export", str(run), "--merge", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", framework="pt") as st:
+        assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.bfloat16}
+    ids = torch.randint(5, demo_task.vocab_size(), (1, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(logits_of(out, None, ids), logits_of(setup["base"], run / "adapter", ids),
+                               rtol=0, atol=0.1)  # bf16 weights: ~3 significant digits
+
+
+def test_export_mistakes_are_one_line_exit_2(setup, run, tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gapless export: error: ") and "holds no adapter" in err and err.count("\n") == 1
+    assert cli.main(["export", str(run), "--merge", "--dtype", "int8", "--out", str(tmp_path / "y")]) == 2
+    assert "dtype: 'int8' is not known" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+
+
+def test_cli_without_a_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "export" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "somewhere"])  # --out is required: argparse's own usage error
+    assert e.value.code == 2
