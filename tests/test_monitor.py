@@ -147,7 +147,8 @@ def fake_nvml(init_error: bool = False) -> types.ModuleType:
 def test_nvml_that_fails_to_start_is_not_available(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(init_error=True))
     m = GpuMonitor(tmp_path / "gpu.jsonl", "cuda")
-    assert not m.available and m.status == "GPU monitor: not available (NVML did not start: NVML Shared Library Not Found)"
+    assert not m.available
+    assert m.status == "GPU monitor: not available (NVML did not start: NVML Shared Library Not Found)"
     m.close()
 
 

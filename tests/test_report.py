@@ -90,10 +90,11 @@ def make_run(path: Path, steps: int = 200, *, gpu: bool = True, gap: bool = True
                 mem = min(now / 92, 1.0) * 16.5e3 if doing == "startup" else 61.8e3 + rng.uniform(-200, 200)
                 power = 90 + 6.1 * util + rng.uniform(-15, 15)
                 throttle = ["sw_power_cap"] if power > 680 else (["gpu_idle"] if util == 0 else [])
-                f.write(json.dumps({"t": round(now, 3), "gpu": "NVIDIA H200", "util": util, "mem_used_mib": round(mem, 1),
-                                    "mem_total_mib": 143771.0, "power_w": round(min(power, 700.0), 1),
-                                    "power_limit_w": 700.0, "sm_clock_mhz": 1755 if throttle == ["sw_power_cap"] else 1980,
-                                    "temp_c": 38 + util // 4, "throttle": throttle}) + "\n")
+                sample = {"t": round(now, 3), "gpu": "NVIDIA H200", "util": util, "mem_used_mib": round(mem, 1),
+                          "mem_total_mib": 143771.0, "power_w": round(min(power, 700.0), 1), "power_limit_w": 700.0,
+                          "sm_clock_mhz": 1755 if throttle == ["sw_power_cap"] else 1980,
+                          "temp_c": 38 + util // 4, "throttle": throttle}
+                f.write(json.dumps(sample) + "\n")
                 i += 1
                 now = i * 0.5
     if gap:
@@ -114,7 +115,8 @@ def make_run(path: Path, steps: int = 200, *, gpu: bool = True, gap: bool = True
 
 
 def images(page: str) -> list[bytes]:
-    return [base64.b64decode(b) for b in re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)">', page)]
+    found = re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)">', page)
+    return [base64.b64decode(b) for b in found]
 
 
 def assert_png(data: bytes) -> None:

@@ -229,7 +229,8 @@ def diagnose(gpu_samples: Sequence[dict], time_summary: dict[str, float] | None,
         if busy and len(hit) / len(busy) >= THROTTLE_SHARE:
             seen = sorted({r for s in hit for r in s["throttle"] if r in names})
             clocks = [s["sm_clock_mhz"] for s in busy if s.get("sm_clock_mhz") is not None]
-            clock_text = f"; SM clock median {statistics.median(clocks):.0f} MHz, max {max(clocks)} MHz" if clocks else ""
+            clock_text = (f"; SM clock median {statistics.median(clocks):.0f} MHz, max {max(clocks)} MHz"
+                          if clocks else "")
             if kind == "thermal":
                 temps = [s["temp_c"] for s in hit if s.get("temp_c") is not None]
                 extra = f"; temperature up to {max(temps)} °C" if temps else ""
@@ -266,8 +267,10 @@ def _util_around(samples: Sequence[dict], steps: Sequence[int], step_times: dict
         t = _interpolate(known, step)
         if t is not None:
             windows.append((t, t + max(stall_s, 1.0)))
-    inside = [s["util"] for s in samples if s.get("util") is not None and any(a <= s["t"] <= b for a, b in windows)]
-    outside = [s["util"] for s in samples if s.get("util") is not None and not any(a <= s["t"] <= b for a, b in windows)]
+    inside, outside = [], []
+    for s in samples:
+        if s.get("util") is not None:
+            (inside if any(a <= s["t"] <= b for a, b in windows) else outside).append(s["util"])
     if not inside or not outside:
         return ""
     return (f"; GPU utilisation {statistics.median(inside):.0f}% during checkpoints, "

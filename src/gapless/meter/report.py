@@ -93,7 +93,8 @@ def read_gap(path: Path) -> dict:
         label, previous = str(base["label"]), float(base["tokens_per_s"])
         steps = gap["steps"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: expected {{'baseline': {{'label', 'tokens_per_s'}}, 'steps': [...]}} ({e!r})") from None
+        raise ValueError(f"{path}: expected {{'baseline': {{'label', 'tokens_per_s'}}, 'steps': [...]}} "
+                         f"({e!r})") from None
     for i, step in enumerate(steps):
         missing = {"factor", "tokens_per_s", "delta", "fix"} - set(step)
         if missing:
@@ -280,7 +281,8 @@ def plot_gap(gap: dict) -> bytes:
 # the page
 
 CSS = """
-body{margin:0;background:#f5f6f8;color:#1d2733;font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif}
+body{margin:0;background:#f5f6f8;color:#1d2733;
+font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif}
 main{max-width:1120px;margin:0 auto;padding:24px 28px 48px}
 h1{font-size:22px;margin:0 0 2px}h1 span{color:#5d6b78;font-weight:400}
 h2{font-size:16px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #dde1e6}
@@ -292,7 +294,8 @@ table{border-collapse:collapse;background:#fff;border:1px solid #dde1e6;font-siz
 td,th{padding:4px 10px;border-bottom:1px solid #eceff2;text-align:left;vertical-align:top}
 th{background:#f0f2f5;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .config{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:0 18px}
-.config div{display:flex;justify-content:space-between;align-items:baseline;border-bottom:1px solid #e6e8eb;padding:3px 0}
+.config div{display:flex;justify-content:space-between;align-items:baseline;border-bottom:1px solid #e6e8eb;
+padding:3px 0}
 .config span:first-child{color:#5d6b78}.config span:last-child{font-family:ui-monospace,Menlo,Consolas,monospace;
 font-size:12px;overflow-wrap:anywhere;text-align:right;padding-left:12px}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:14px}
@@ -378,8 +381,9 @@ def render(run: Run) -> str:
     monitor_note = "" if run.gpu else (" No gpu.jsonl: the GPU monitor did not run (a CPU run, or NVML not "
                                        "available), so the rules use the time accounting only.")
     if found:
-        finding_html = "".join(f'<div class="finding"><b>{html.escape(f.cause)}</b><div class="e">{html.escape(f.evidence)}'
-                               f'</div><div class="f">fix: {html.escape(f.fix)}</div></div>' for f in found)
+        finding_html = "".join(f'<div class="finding"><b>{html.escape(f.cause)}</b>'
+                               f'<div class="e">{html.escape(f.evidence)}</div>'
+                               f'<div class="f">fix: {html.escape(f.fix)}</div></div>' for f in found)
     else:
         finding_html = (f'<div class="finding ok"><b>no findings</b><div class="e">none of the rules (input-bound, '
                         f'I/O-bound, throttling, under-used GPU) fired.</div></div>')
@@ -388,14 +392,15 @@ def render(run: Run) -> str:
 
     plots = [_figure_html("Loss", plot_loss(run) if run.train else None, "no training records yet"),
              _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
-             _figure_html("Throughput (real tokens/s)", plot_tokens_per_s(run, numbers["steady"]) if run.train else None,
-                          "no training records yet"),
+             _figure_html("Throughput (real tokens/s)",
+                          plot_tokens_per_s(run, numbers["steady"]) if run.train else None, "no training records yet"),
              _figure_html("GPU utilisation and memory", plot_gpu(_joined_sessions(run.gpu)) if run.gpu else None,
                           "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
 
     if totals:
+        wall = max(totals["wall"], 1e-9)
         rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
-                       f'<td class="n">{100 * totals[c] / max(totals["wall"], 1e-9):.1f}%</td></tr>' for c in CATEGORIES)
+                       f'<td class="n">{100 * totals[c] / wall:.1f}%</td></tr>' for c in CATEGORIES)
         sessions = len({r["started"] for r in run.time})
         resumed = f" over {sessions} sessions (resumed)" if sessions > 1 else ""
         time_html = (_figure_html(f"Where the time went{resumed}", plot_time(totals))
@@ -409,8 +414,8 @@ def render(run: Run) -> str:
                        f'<td class="n">{s["tokens_per_s"]:,.0f}</td><td>{html.escape(str(s["fix"]))}</td></tr>'
                        for s in run.gap["steps"])
         gap_html = (_figure_html("Throughput gap, factor by factor", plot_gap(run.gap))
-                    + '<table style="margin-top:10px"><tr><th>factor</th><th>tokens/s gained</th><th>tokens/s after</th>'
-                    f'<th>fix</th></tr>{rows}</table>')
+                    + '<table style="margin-top:10px"><tr><th>factor</th><th>tokens/s gained</th>'
+                    f'<th>tokens/s after</th><th>fix</th></tr>{rows}</table>')
         gap_html = f"<h2>Throughput gap</h2>{gap_html}"
     else:
         gap_html = ""
@@ -419,11 +424,12 @@ def render(run: Run) -> str:
                           for k, v in _config_rows(run.config)) or "<p class='note'>no config.yaml</p>"
     name = html.escape(run.path.resolve().name)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    sources = ", ".join(["metrics.jsonl"] + ["gpu.jsonl"] * bool(run.gpu) + ["gap.json"] * bool(run.gap))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>gapless report: {name}</title><style>{CSS}</style></head>
 <body><main>
 <h1>gapless run report <span>{name}</span></h1>
-<p class="sub">{html.escape(str(run.path.resolve()))} &middot; generated {when} from metrics.jsonl{', gpu.jsonl' if run.gpu else ''}{', gap.json' if run.gap else ''}</p>
+<p class="sub">{html.escape(str(run.path.resolve()))} &middot; generated {when} from {sources}</p>
 <div class="cards">{''.join(cards)}</div>
 <h2>Findings</h2>{finding_html}
 <h2>Run config</h2><div class="config">{config_html}</div>

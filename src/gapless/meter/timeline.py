@@ -70,8 +70,9 @@ from contextlib import contextmanager
 import torch
 
 CATEGORIES = ("startup", "compute", "data_wait", "h2d_copy", "checkpoint", "eval", "logging", "other")
-LABELS = {"startup": "startup", "compute": "compute", "data_wait": "waiting for data", "h2d_copy": "host-to-device copy",
-          "checkpoint": "checkpoint stall", "eval": "evaluation", "logging": "logging", "other": "other"}
+LABELS = {"startup": "startup", "compute": "compute", "data_wait": "waiting for data",
+          "h2d_copy": "host-to-device copy", "checkpoint": "checkpoint stall", "eval": "evaluation",
+          "logging": "logging", "other": "other"}
 GPU_TIMED = "compute"  # the phase whose GPU intervals are measured with CUDA events
 
 
