@@ -268,13 +268,16 @@ def test_resume_reproduces_the_uninterrupted_losses(base, uninterrupted):
     assert sorted(uninterrupted.losses) == list(range(1, STEPS + 1))
     stopped = train(run_config(base, "stopped"), stop_after=3)
     assert sorted(stopped.losses) == [1, 2, 3] and stopped.final_dir is None
+    with open(stopped.run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 3.')  # the kill cut a record short
     resumed = train(run_config(base, "stopped", resume="true"))
     assert sorted(resumed.losses) == [3, 4, 5, 6]  # step 3 is redone from the checkpoint of step 2
     combined = {**stopped.losses, **resumed.losses}
     assert combined == uninterrupted.losses
     assert_same_adapter(resumed.final_dir, uninterrupted.final_dir)
 
-    # metrics.jsonl of the resumed run: each step once, the redone step 3 as the resumed run logged it
+    # metrics.jsonl of the resumed run: each step once (the redone step 3 as the resumed run logged it),
+    # the cut record gone
     records = [json.loads(line) for line in open(resumed.run_dir / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert {r["step"]: r["loss"] for r in records} == uninterrupted.losses
