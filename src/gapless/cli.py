@@ -109,6 +109,56 @@ def run_demo(args) -> int:
 COMMANDS += [register_train, register_export, register_demo]
 
 
+def register_bench(sub) -> None:
+    p = sub.add_parser("bench", help="training throughput of the optimisation ladder (real LoRA steps)",
+                       description="Time real LoRA training steps (random weights of --model's architecture, "
+                                   "batches from the real data path) for each configuration of the ladder; append "
+                                   "one JSON row per configuration to --out and regenerate the table in "
+                                   "RESULTS.md beside it. See gapless/bench.py for what is measured.")
+    p.add_argument("--model", default="bench/models/llama-3.2-3b", metavar="DIR",
+                   help="a folder with the architecture's config.json (no weights needed)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--ladder", action="store_true", help="every rung of the ladder, in order (the default)")
+    which.add_argument("--config", metavar="NAME[,NAME]",
+                       help="configurations to run, e.g. best or packed_sdpa (CPU); a wrong name lists them all")
+    which.add_argument("--show", action="store_true", help="print the table of a run in --out (--run-id or the last)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration (default 8)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles, allocator; default 3)")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps of the separate forward/backward/optimizer profiling pass (default 2)")
+    p.add_argument("--lengths", metavar="FILE", help="token lengths of documents (random token ids); "
+                                                     "replaces --data/--tokenizer")
+    p.add_argument("--data", default="../shared/data/messages", metavar="PATH", help="the messages data")
+    p.add_argument("--tokenizer", default="../shared/tokenizers/llama3", metavar="DIR", help="its tokenizer")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="row length and document cap (default 4096)")
+    p.add_argument("--tokens-per-batch", type=int, default=16384, help="slots per step (default 16384)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank on all 7 projections (default 16)")
+    p.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--peers", action="store_true", help="also run the HF+PEFT peer (needs --lengths)")
+    p.add_argument("--peers-dir", default="../shared/peers", metavar="DIR", help="folder of hf_peft_bench.py")
+    p.add_argument("--peers-configs", default="packed_sdpa,pad_max4096_ckpt", metavar="NAME[,NAME]",
+                   help="the peer's configurations (default packed_sdpa,pad_max4096_ckpt)")
+    p.add_argument("--peers-args", default="", metavar="ARGS",
+                   help="extra arguments for the peer, e.g. --peers-args=--tiny")
+    p.add_argument("--out", default="bench/results.jsonl", metavar="FILE", help="rows are appended here")
+    p.add_argument("--results-md", default=None, metavar="FILE",
+                   help="the Markdown table (default: RESULTS.md beside --out)")
+    p.add_argument("--run-id", default=None, help="shared by every row of one invocation (default: time + random)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="skip configurations that would not finish within this many seconds of the start")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    from gapless.bench import main as bench
+
+    return bench(args)
+
+
+COMMANDS.append(register_bench)
+
+
 def register_report(sub) -> None:
     p = sub.add_parser("report", help="write RUN/report.html: plots, time accounting, GPU findings",
                        description="Read a run folder (config.yaml, metrics.jsonl, gpu.jsonl, gap.json) and write "

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# gapless bench on one H200, in one call of at most 9 minutes (run it from the repository root):
+#
+#   bash bench/run_gpu.sh          the ladder on Llama-3.2-3B, best on Llama-3.2-1B and Llama-3.1-8B, HF+PEFT packed
+#                                  beside them, and the flex rung last if time is left (its first compile: ~200 s)
+#   bash bench/run_gpu.sh flex     packed_fused and packed_fused_flex on Llama-3.2-3B (a second call)
+#
+# Needs .carry/ (lengths_shared_mix.txt, hf_peft_bench.py): the GPU machine has no ../shared. Every row goes to
+# bench/results.jsonl (appended) and bench/RESULTS.md (regenerated), both copied to $OUT with the logs; copy them
+# back over the repository's. RUN_ID=<id> puts a second call's rows into the same run (carry the first call's
+# results.jsonl back into bench/ first, so RESULTS.md shows them all).
+# Each step gets what is left of the budget minus a reserve for the steps after it; gapless bench skips a
+# configuration (and records why) when its estimated time does not fit, and `timeout` stops one that overruns.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gapless-bench-out}
+mkdir -p "$OUT"
+MODE=${1:-all}
+RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)-h200}
+LENGTHS=.carry/lengths_shared_mix.txt
+BUDGET=${BUDGET_S:-530}  # seconds, under the 600 s of one call
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) - $1 )); }  # seconds left, less a reserve of $1
+
+bench() {  # bench RESERVE_S ARGS...: one gapless bench process with the time left after RESERVE_S
+  local reserve=$1; shift
+  local limit; limit=$(left "$reserve")
+  if (( limit < 20 )); then echo "[run_gpu] skipped (only ${limit}s left): $*" | tee -a "$OUT/bench.log"; return; fi
+  echo "[run_gpu] +$(( $(date +%s) - START ))s, ${limit}s for: $*" | tee -a "$OUT/bench.log"
+  timeout -k 10 $(( limit + 15 )) "$PY" -m gapless.cli bench --lengths "$LENGTHS" --run-id "$RUN_ID" \
+    --steps 8 --warmup 3 --profile-steps 2 --time-limit-s "$limit" "$@" 2>&1 | tee -a "$OUT/bench.log"
+  local rc=${PIPESTATUS[0]}
+  if (( rc == 124 || rc == 137 )); then echo "[run_gpu] killed after $(( limit + 15 ))s: $*" | tee -a "$OUT/bench.log"; fi
+}
+
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,memory.used \
+    --format=csv; "$PY" -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda',
+torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+M3=bench/models/llama-3.2-3b
+if [[ $MODE == flex ]]; then
+  bench 0 --model $M3 --config packed_fused,packed_fused_flex
+else
+  # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s
+  bench 250 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
+  bench 180 --model bench/models/llama-3.2-1b --config best
+  bench 60 --model bench/models/llama-3.1-8b --config best
+  bench 0 --model $M3 --peers --peers-dir .carry --peers-configs packed_sdpa
+  if (( $(left 0) > 260 )); then bench 0 --model $M3 --config packed_fused_flex; fi
+fi
+
+cp bench/results.jsonl bench/RESULTS.md "$OUT"/ 2>/dev/null
+echo; echo "== run $RUN_ID ($(( $(date +%s) - START )) s) =="
+"$PY" -m gapless.cli bench --show --run-id "$RUN_ID" | tee "$OUT/table.md"

@@ -1,0 +1,768 @@
+"""`gapless bench`: training throughput of LoRA fine-tuning, one optimisation at a time, on real training steps.
+
+    gapless bench [--model bench/models/llama-3.2-3b] [--ladder | --config NAME[,NAME...]] [--steps 8]
+                  [--warmup 3] [--lengths FILE | --data DIR --tokenizer DIR] [--peers] [--out bench/results.jsonl]
+
+What one configuration measures
+- The model: the architecture of `--model`'s config.json (no weights on disk) built on the meta device,
+  materialised on the device in bf16 and given HF's init (normal, std 0.02; norms 1), then LoRA r=16 on all
+  seven projections of every layer (gapless's defaults: alpha 32, dropout 0, float32 adapter weights with bf16
+  matmuls). Random weights do the same work as trained ones.
+- The step: the loop's step (gapless.train.loop): the loss sum over the batch's trained tokens, backward of
+  loss / trained tokens, gradient clipping (1.0) and fused AdamW over the LoRA weights. No learning-rate schedule
+  (a host-side multiply). The loss is the loop's `batch_loss_sum` for "fused", the same hidden states with a
+  materialised [tokens, vocab] logits tensor for "materialised", and `linear_cross_entropy(compiled=True)` for
+  "fused_compiled" (the loop's function does not take that switch yet).
+- The data: the real data path. Either the shared messages files tokenized by `data.build_data` with the Llama 3
+  tokenizer (max_seq_len 4096, overlong truncated), or, where those are absent (the GPU machine), a token-length
+  file (`--lengths`, e.g. peers/lengths_shared_mix.txt: the Llama 3 lengths of the same records): its lengths,
+  capped at max_seq_len as tokenization truncates, become an in-memory TokenizedDataset of random token ids, every
+  token trained, in a real Mixture. Either way the batches come from the same BatchSampler / Batch code a run
+  uses; token values and the loss mask change no work (the LM head runs on every token).
+- Batches are collated and copied to the device before the timed window (a run's Prefetcher overlaps that with
+  the step), so the timed window is the step alone: `--steps` steps between two CUDA events, no host sync inside.
+  Real tokens/s = non-pad tokens of those steps / that time. Peak GiB = torch.cuda.max_memory_allocated from the
+  model's build to the end. The forward / backward / optimizer split comes from a separate profiling pass
+  (`--profile-steps`, events and a sync around every phase), so its sum can differ a little from step_ms. The
+  fused loss computes its gradient during the forward (gapless.kernels.loss), so its backward GEMMs count as fwd.
+- MFU = the step's useful FLOPs (gapless.meter.flops: over the real document lengths only) / time / the dense
+  bf16 peak measured here (median of 20 8192^3 matmuls; 789 TFLOP/s on the H200 of peers/README.md).
+
+The ladder (`--ladder`, in this order; each rung is one named configuration):
+  pad_to_max_ckpt       every document padded to 4096, 4 per batch; sdpa with a padding mask; materialised
+                        logits; every layer checkpointed (what a default HF Trainer run does)
+  dyn_pad               dynamic padding: as many documents as fit in tokens_per_batch slots padded to the longest
+  packed                documents packed into 4 rows of 4096 (cu_seqlens), attention "varlen": the sdpa
+                        reference loops over documents with a host sync each (33 ms/layer at 16k tokens on the
+                        H200 against 2.8 for varlen, bench/kernels_h200.jsonl), so packing is measured with varlen
+  packed_fused          + the fused, chunked linear cross-entropy (no [tokens, vocab] logits)
+  packed_fused_flex     + FlexAttention instead of varlen (2.48 vs 2.81 ms/layer, but ~200 s of first compile)
+  packed_fused_compile  + torch.compile of each decoder layer and of the loss's per-chunk step (varlen)
+  best                  the fastest recipe gapless has: packed_fused_compile measured again, which also shows
+                        the run-to-run spread
+Anywhere, the CPU included: packed_sdpa and packed_sdpa_fused (packed with the sdpa reference attention).
+
+Compiled layers must not recompile per batch: cu_seqlens changes length with the number of documents and
+max_seqlen (a host int) changes too, so layers are compiled with symbolic sizes from the start (compile_layers);
+the first warm-up step compiles, and each row reports the graphs compiled during its timed window
+(`new_graphs_timed`, 0 expected).
+
+`--peers` runs shared/peers/hf_peft_bench.py (Hugging Face transformers + PEFT) configurations as subprocesses
+with the same lengths file, steps and tokens per batch, and records them with system "hf+peft" in the same
+run_id; their FLOPs come from the same formula over the same document lengths, replayed from the peer's seeded
+length stream. Rows are appended to `--out` one by one (a later failure loses nothing), and the table between
+the bench markers of RESULTS.md beside it is regenerated from all rows of the run_id.
+A configuration that fails (out of memory, a compile error) is recorded with its error and the next one runs.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict
+from gapless.data.batching import IGNORE, Batch, BatchSampler, Mixture
+from gapless.data.cache import TokenizedDataset
+from gapless.kernels.loss import linear_cross_entropy
+from gapless.meter.flops import mfu, step_flops
+from gapless.model.decoder import CausalLM, ModelArgs
+from gapless.model.loading import DTYPES, model_args_from_config, read_config
+
+MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
+GRAD_CLIP = 1.0  # the loop's default (optim.grad_clip)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    batching: str  # data.batching: pad_to_max | padded | packed
+    attn: str  # attention backend (gapless.kernels.attention)
+    loss: str  # materialised | fused | fused_compiled
+    checkpoint: bool = False  # activation checkpointing of every decoder layer
+    compile: bool = False  # torch.compile of every decoder layer
+
+    def describe(self) -> str:
+        parts = [self.batching, self.attn, f"{self.loss} loss"]
+        return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else []))
+
+
+CONFIGS = {
+    "pad_to_max_ckpt": Recipe("pad_to_max", "sdpa", "materialised", checkpoint=True),
+    "dyn_pad": Recipe("padded", "sdpa", "materialised"),
+    "packed": Recipe("packed", "varlen", "materialised"),
+    "packed_fused": Recipe("packed", "varlen", "fused"),
+    "packed_fused_flex": Recipe("packed", "flex", "fused"),
+    "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
+    "best": Recipe("packed", "varlen", "fused_compiled", compile=True),
+    # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
+    "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
+    "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
+}
+LADDER = ("pad_to_max_ckpt", "dyn_pad", "packed", "packed_fused", "packed_fused_flex", "packed_fused_compile", "best")
+# Seconds a configuration's first steps may take beyond its timed steps, for --time-limit-s: flex's first call
+# compiled for 201 s on the H200 (bench/kernels_h200.jsonl); a compiled decoder layer, forward and backward,
+# is budgeted at 90 s.
+FIRST_CALL_S = {"flex": 220.0, "compile": 90.0}
+PEER_MAX_SEQ = 4096  # hf_peft_bench.py caps every document at 4096 tokens
+PEER_FIRST_CALL_S = 30.0  # imports and building the model
+
+
+# ---------------------------------------------------------------------------------------------
+# transforms and the model
+
+
+def compile_layers(model: CausalLM, **compile_kwargs) -> CausalLM:
+    """torch.compile every decoder layer in place (nn.Module.compile keeps the HF parameter names).
+
+    Layers share one code object and, with dynamo's inlining of nn.Modules, one compiled graph: compiling
+    each block rather than the whole model (torchtitan's choice) compiles one layer, not 28, and keeps the
+    embedding, the loss and the layer loop eager. Two variants in fact: layer 0's input (the frozen embedding's
+    output) needs no gradient, the others' do.
+
+    dynamic=True (the default here): packed batches change cu_seqlens' length (documents + 1) and max_seqlen (a
+    host int) every batch. Static shapes would compile once, then again for both once they change (dynamo's
+    automatic dynamic shapes): two full compiles per variant. Symbolic from the start, it is one; the weights stay
+    static (force_parameter_static_shapes), so the matmuls and the reductions over the hidden size keep fixed sizes.
+    """
+    compile_kwargs.setdefault("dynamic", True)
+    for layer in model.model.layers:
+        layer.compile(**compile_kwargs)
+    return model
+
+
+def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, attn: str,
+                       seed: int = 0) -> CausalLM:
+    """The architecture with random weights, built on meta and materialised on `device` (no checkpoint on disk)."""
+    with torch.device("meta"):
+        model = CausalLM(args, attn_backend=attn)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives every parameter its own storage, the tied head included
+    model.model.rotary_emb.reset_inv_freq(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied weight is listed once
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)  # transformers' initializer_range
+    return model
+
+
+def loss_materialised(model: CausalLM, batch: Batch) -> torch.Tensor:
+    """The loss as HF computes it: the full [B, T, vocab] logits, upcast to float32, then cross-entropy."""
+    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.attention_mask,
+                                 batch.max_seqlen)  # [B, T, D]
+    logits = model.lm_head(hidden)  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def loss_fused_compiled(model: CausalLM, batch: Batch) -> torch.Tensor:
+    """batch_loss_sum with the loss's per-chunk softmax/gradient step compiled (one fused kernel pair)."""
+    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.attention_mask,
+                                 batch.max_seqlen)
+    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten(), compiled=True)
+
+
+def loss_function(kind: str) -> Callable[[CausalLM, Batch], torch.Tensor]:
+    from gapless.train.loop import batch_loss_sum
+
+    return {"materialised": loss_materialised, "fused": batch_loss_sum, "fused_compiled": loss_fused_compiled}[kind]
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def lengths_mixture(path: str | Path, vocab_size: int, max_seq_len: int, seed: int = 0) -> Mixture:
+    """A Mixture of documents with the file's token lengths (capped at max_seq_len) and random token ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--lengths: {path} not found; give a file of whitespace-separated token counts")
+    try:
+        lengths = np.array(path.read_text().split(), dtype=np.int64)
+    except ValueError:
+        raise ValueError(f"--lengths: {path} must hold whitespace-separated integers (token counts)") from None
+    if not len(lengths) or lengths.min() < 1:
+        raise ValueError(f"--lengths: {path} must hold at least one length, all >= 1")
+    lengths = np.minimum(lengths, max_seq_len)  # tokenization truncates overlong records at max_seq_len
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.random.default_rng(seed).integers(0, vocab_size, int(offsets[-1]), dtype=np.int32)
+    mask = np.ones(int(offsets[-1]), np.uint8)  # every token trained: the LM head runs on every token anyway
+    ds = TokenizedDataset(ids, mask, offsets, np.arange(len(lengths), dtype=np.int32), {"pad_id": 0})
+    return Mixture([ds], [len(ds)], [f"lengths:{path.name}"])
+
+
+def load_documents(opts, vocab_size: int) -> tuple[Mixture, str]:
+    """(Mixture, description): the lengths file when given, else the messages data through build_data."""
+    if opts.lengths:
+        return lengths_mixture(opts.lengths, vocab_size, opts.max_seq_len), f"lengths {opts.lengths}"
+    data, tokenizer = Path(opts.data), Path(opts.tokenizer)
+    if not data.exists() or not tokenizer.is_dir():
+        raise ValueError(f"--data {data} or --tokenizer {tokenizer} not found; pass both, or --lengths FILE "
+                         "(a token-length file such as peers/lengths_shared_mix.txt)")
+    from gapless.data.tokenize import build_data
+
+    cfg = from_dict(DataConfig, {"sources": [{"path": str(data)}], "tokenizer": str(tokenizer),
+                                 "max_seq_len": opts.max_seq_len, "tokens_per_batch": opts.tokens_per_batch}, "data")
+    mix, _, _ = build_data(cfg)
+    top = max((int(d.ids.max()) for d in mix.datasets if len(d.ids)), default=0)
+    if top >= vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer} produces token id {top}, outside the model's vocab_size "
+                         f"{vocab_size}; use the model's own tokenizer")
+    return mix, f"{data} ({tokenizer.name} tokenizer, {len(mix)} documents)"
+
+
+def take_batches(sampler: BatchSampler, n: int, device: torch.device) -> list[tuple[Batch, list[int]]]:
+    """The sampler's first n batches (epochs continue as a run's would), on the device, with their documents'
+    real lengths (for the FLOPs: cu_seqlens also holds each packed row's padding tail)."""
+    out: list[tuple[Batch, list[int]]] = []
+    epoch = 0
+    while len(out) < n:
+        plan = sampler.plan(epoch)
+        if not plan:
+            raise ValueError("no documents to batch")
+        for item in plan[:n - len(out)]:
+            docs = [d for row in item for d in row] if sampler.strategy == "packed" else list(item)
+            out.append((sampler.collate(item).to(device), [int(x) for x in sampler.mix.lengths[docs]]))
+        epoch += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+class Clock:
+    """CUDA events on the GPU (read after a sync), the host clock on the CPU (where work is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul FLOP/s: median of 20 timed 8192^3 products on CUDA (512^3 on the CPU), after 10 warm-ups
+    (enough to bring an idle GPU to its clocks: 15 ms of work)."""
+    n = 8192 if device.type == "cuda" else 512
+    gen = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)  # random, not zeros: zeros run faster
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    clock = Clock(device)
+    for _ in range(10):
+        torch.mm(a, b)
+    times = []
+    for _ in range(20):
+        clock.sync()
+        t0 = clock.mark()
+        torch.mm(a, b)
+        t1 = clock.mark()
+        clock.sync()
+        times.append(clock.ms(t0, t1))
+    return 2 * n ** 3 / (float(np.median(times)) / 1e3)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ---------------------------------------------------------------------------------------------
+# one configuration
+
+
+@dataclass
+class Context:
+    """What every configuration of one invocation shares."""
+    opts: object  # the parsed command line
+    args: ModelArgs
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    mix: Mixture | None
+    data: str
+    peak_flops: float | None
+    gpu: str
+    run_id: str
+    command: str
+    started: float
+
+    def time_left(self) -> float:
+        limit = self.opts.time_limit_s
+        return math.inf if limit is None else limit - (time.perf_counter() - self.started)
+
+
+def base_row(ctx: Context, system: str, config: str) -> dict:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": ctx.gpu,
+            "system": system, "config": config, "model": ctx.model_name, "real_tok_s": None, "peak_gib": None,
+            "mfu": None, "padding_fraction": None, "step_ms": None, "fwd_ms": None, "bwd_ms": None, "opt_ms": None,
+            "command": ctx.command, "run_id": ctx.run_id, "torch": torch.__version__, "error": None}
+
+
+def train_step(model, batch: Batch, loss_fn, params, optimizer, clock: Clock | None = None, marks=None):
+    """The loop's step for one micro-batch; with `marks`, records an event after the forward, backward, update."""
+    from gapless.train.optim import clip_grad_norm
+
+    loss_sum = loss_fn(model, batch)
+    if marks is not None:
+        marks.append(clock.mark())
+    (loss_sum / max(batch.num_target_tokens, 1)).backward()
+    if marks is not None:
+        marks.append(clock.mark())
+    clip_grad_norm(params, GRAD_CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if marks is not None:
+        marks.append(clock.mark())
+    return loss_sum.detach()
+
+
+def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
+    """Build, warm up, time and profile one configuration; returns its row (raises on failure)."""
+    from gapless.model.lora import apply_lora
+    from gapless.train.ckpt_activations import checkpoint_activations
+    from gapless.train.optim import build_optimizer
+
+    opts, device = ctx.opts, ctx.device
+    cuda = device.type == "cuda"
+    clock = Clock(device)
+    allocated_before = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+    sampler = BatchSampler(ctx.mix, strategy=recipe.batching, max_seq_len=opts.max_seq_len,
+                           tokens_per_batch=opts.tokens_per_batch, seed=0)
+    batches = take_batches(sampler, opts.warmup + opts.steps + opts.profile_steps, device)
+    warm, timed, profile = (batches[:opts.warmup], batches[opts.warmup:opts.warmup + opts.steps],
+                            batches[opts.warmup + opts.steps:])
+
+    model = build_random_model(ctx.args, device, ctx.dtype, recipe.attn)
+    lora = LoraConfig(r=opts.lora_r)
+    model = apply_lora(model, lora)
+    if recipe.checkpoint:
+        model = checkpoint_activations(model)
+    if recipe.compile:
+        model = compile_layers(model)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, OptimConfig(grad_clip=GRAD_CLIP), device.type)
+    loss_fn = loss_function(recipe.loss)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # warm-up: compiles, autotunes, allocator growth; timed on the host with a sync at each end
+    clock.sync()
+    t0 = time.perf_counter()
+    for b, _ in warm:
+        train_step(model, b, loss_fn, params, optimizer)
+    clock.sync()
+    warmup_s = time.perf_counter() - t0
+
+    # the timed window: no host sync between the two events
+    graphs_before = _graphs_compiled()
+    start = clock.mark()
+    for b, _ in timed:
+        loss = train_step(model, b, loss_fn, params, optimizer)
+    end = clock.mark()
+    clock.sync()
+    seconds = clock.ms(start, end) / 1e3
+    new_graphs = _graphs_compiled() - graphs_before
+
+    # the profiling pass: events after each phase, a sync per step
+    phases = np.zeros(3)
+    for b, _ in profile:
+        clock.sync()
+        marks = [clock.mark()]
+        train_step(model, b, loss_fn, params, optimizer, clock, marks)
+        clock.sync()
+        phases += [clock.ms(marks[i], marks[i + 1]) for i in range(3)]
+    phases /= max(len(profile), 1)
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    final_loss = float(loss) / max(timed[-1][0].num_target_tokens, 1)  # SYNC: after timing
+
+    real = sum(b.num_real_tokens for b, _ in timed)
+    slots = sum(b.num_slots for b, _ in timed)
+    flops = sum(step_flops(ctx.args, lengths, "lora", lora.r, lora.target_modules) for _, lengths in timed)
+    row = base_row(ctx, "gapless", name)
+    row.update(
+        real_tok_s=round(real / seconds, 1), peak_gib=None if peak_gib is None else round(peak_gib, 2),
+        mfu=round(mfu(flops, seconds, ctx.peak_flops), 4), padding_fraction=round(1 - real / slots, 4),
+        step_ms=round(seconds * 1e3 / len(timed), 2),
+        fwd_ms=round(phases[0], 2) if profile else None, bwd_ms=round(phases[1], 2) if profile else None,
+        opt_ms=round(phases[2], 2) if profile else None,
+        recipe=asdict(recipe), describe=recipe.describe(), data=ctx.data, dtype=str(ctx.dtype).replace("torch.", ""),
+        steps=len(timed), warmup=len(warm), profile_steps=len(profile), tokens_per_batch=opts.tokens_per_batch,
+        max_seq_len=opts.max_seq_len, lora={"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+                                            "targets": list(lora.target_modules)},
+        real_tokens=real, slots=slots, tflops=_sig(flops / seconds / 1e12), peak_tflops=_sig(ctx.peak_flops / 1e12),
+        warmup_s=round(warmup_s, 2), new_graphs_timed=new_graphs,
+        allocated_before_gib=None if allocated_before is None else round(allocated_before, 2),
+        loss=round(final_loss, 4) if math.isfinite(final_loss) else str(final_loss))
+    return row
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def first_call_estimate(recipe: Recipe) -> float:
+    return FIRST_CALL_S["flex"] if recipe.attn == "flex" else FIRST_CALL_S["compile"] if recipe.compile else 0.0
+
+
+def run_configs(ctx: Context, names: list[str], out: Path, log) -> list[dict]:
+    rows = []
+    step_s = 2.0  # a guess for the first configuration's steps; then the last measured step time
+    for name in names:
+        recipe = CONFIGS[name]
+        need = first_call_estimate(recipe) + (ctx.opts.warmup + ctx.opts.steps + ctx.opts.profile_steps) * step_s
+        if need > ctx.time_left():
+            row = base_row(ctx, "gapless", name)
+            row.update(describe=recipe.describe(), error=f"skipped: needs ~{need:.0f} s, {ctx.time_left():.0f} s "
+                                                         "left of --time-limit-s")
+        else:
+            print(f"[bench] {ctx.model_name} {name}: {recipe.describe()}", file=log, flush=True)
+            try:
+                row = run_config(ctx, name, recipe)
+                step_s = row["step_ms"] / 1e3
+            except Exception as e:  # OOM, a compile error...: recorded, and the ladder goes on
+                traceback.print_exc(file=log)
+                row = base_row(ctx, "gapless", name)
+                row.update(describe=recipe.describe(), error=f"{type(e).__name__}: {_first_line(e)}")
+            free_device_memory(ctx.device)
+        append_row(out, row)
+        print(f"[bench] {format_row(row)}", file=log, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else repr(e))[:400]
+
+
+# ---------------------------------------------------------------------------------------------
+# peers: Hugging Face transformers + PEFT, same lengths, same steps
+
+
+def load_peer(peers_dir: Path):
+    script = peers_dir / "hf_peft_bench.py"
+    if not script.is_file():
+        raise ValueError(f"--peers-dir: {script} not found; point --peers-dir at the folder of hf_peft_bench.py")
+    spec = importlib.util.spec_from_file_location("hf_peft_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return script, module
+
+
+def peer_doc_lengths(peer, config: str, lengths_file: str, warmup: int, steps: int,
+                     pack_tokens: int) -> list[list[int]]:
+    """The documents of each timed step of the peer, replayed from its seeded length stream (its own code)."""
+    mode, micro_batch = peer.CONFIGS[config][:2]
+    stream = peer.lengths_stream(lengths_file)
+    per_step = []
+    for _ in range(warmup + steps):
+        if mode == "packed":  # peer.packed_batch: whole documents until the row is full, the last one cut
+            docs: list[int] = []
+            while sum(docs) < pack_tokens:
+                docs.append(min(next(stream), PEER_MAX_SEQ))
+            docs[-1] -= sum(docs) - pack_tokens
+            if docs[-1] == 0:
+                docs.pop()
+        elif mode == "fixed":
+            docs = [PEER_MAX_SEQ] * micro_batch
+        else:  # pad_max, dyn: micro_batch documents, padded
+            docs = [min(next(stream), PEER_MAX_SEQ) for _ in range(micro_batch)]
+        per_step.append(docs)
+    return per_step[warmup:]
+
+
+def _peer_architecture_matches(peer, args: ModelArgs) -> bool:
+    a = peer.LLAMA32_3B
+    return (a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["num_attention_heads"],
+            a["num_key_value_heads"], a["head_dim"], a["vocab_size"]) == (
+        args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.num_attention_heads,
+        args.num_key_value_heads, args.head_dim, args.vocab_size)
+
+
+def run_peers(ctx: Context, names: list[str], log) -> list[dict]:
+    """Rows of the peers' configurations; MFU is filled in by `finish_peer_row` once the peak is known."""
+    opts = ctx.opts
+    if not opts.lengths:
+        raise ValueError("--peers needs --lengths: the peers' script reads a token-length file")
+    script, peer = load_peer(Path(opts.peers_dir))
+    extra = shlex.split(opts.peers_args or "")
+    rows = []
+    for name in names:
+        row = base_row(ctx, "hf+peft", name)
+        cmd = [sys.executable, str(script), name, "--lengths", str(opts.lengths), "--steps", str(opts.steps),
+               "--warmup", str(opts.warmup), *extra]
+        env = {**os.environ, "PACK_TOKENS": str(opts.tokens_per_batch), "PYTHONUNBUFFERED": "1"}
+        row["command"] = f"PACK_TOKENS={opts.tokens_per_batch} {shlex.join(cmd)}"
+        if name not in peer.CONFIGS:
+            row["error"] = f"not a configuration of {script.name}; it has {sorted(peer.CONFIGS)}"
+        elif PEER_FIRST_CALL_S + (opts.warmup + opts.steps) * 2.0 > ctx.time_left():
+            row["error"] = f"skipped: {ctx.time_left():.0f} s left of --time-limit-s"
+        else:
+            print(f"[bench] peer {name}: {row['command']}", file=log, flush=True)
+            row.update(_run_peer(ctx, peer, name, cmd, env, log))
+        rows.append(row)
+    return rows
+
+
+def _run_peer(ctx: Context, peer, name: str, cmd: list[str], env: dict, log) -> dict:
+    opts = ctx.opts
+    timeout = None if math.isinf(ctx.time_left()) else max(ctx.time_left(), 1.0)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s (--time-limit-s)"}
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        log.write(proc.stderr[-4000:])
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
+    res = json.loads(found[-1][len("RESULT "):])
+    update = {"real_tok_s": res["real_tok_s"], "peak_gib": res["peak_gib"], "padding_fraction": res["pad_frac"],
+              "step_ms": round(res["step_s"] * 1e3, 2), "peer_result": res, "steps": opts.steps,
+              "warmup": opts.warmup, "tokens_per_batch": opts.tokens_per_batch, "data": ctx.data,
+              "describe": "transformers + PEFT: {}, micro-batch {}, grad ckpt {}, liger {}".format(*peer.CONFIGS[name])}
+    # FLOPs of the same documents the peer trained on: replay its seeded stream, and check the replay by the
+    # real-token count it implies (real_tok_s * step time * steps, both rounded by the peer)
+    docs = peer_doc_lengths(peer, name, str(opts.lengths), opts.warmup, opts.steps, opts.tokens_per_batch)
+    real = sum(sum(d) for d in docs)
+    implied = res["real_tok_s"] * res["step_s"] * opts.steps
+    update["real_tokens"] = real
+    if abs(real - implied) > 0.01 * implied:
+        update["mfu_note"] = f"no MFU: replayed {real} real tokens, the peer's numbers imply {implied:.0f}"
+    elif not _peer_architecture_matches(peer, ctx.args):
+        update["mfu_note"] = f"no MFU: the peer builds another architecture than --model {ctx.model_name}"
+    else:
+        update["flops"] = sum(step_flops(ctx.args, d, "lora", 16, ALL_LINEAR) for d in docs)
+        update["seconds"] = real / res["real_tok_s"]
+    return update
+
+
+def finish_peer_row(ctx: Context, row: dict) -> dict:
+    """The peer's row with the device name and, when its FLOPs are known, its MFU against the measured peak."""
+    row = dict(row, gpu=ctx.gpu)
+    flops, seconds = row.pop("flops", None), row.pop("seconds", None)
+    if flops is not None:
+        row["mfu"] = round(mfu(flops, seconds, ctx.peak_flops), 4)
+        row["tflops"] = _sig(flops / seconds / 1e12)
+        row["peak_tflops"] = _sig(ctx.peak_flops / 1e12)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# results: results.jsonl rows and the RESULTS.md table
+
+
+def append_row(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_row(row: dict) -> str:
+    if row.get("error"):
+        return f"{row['system']} {row['model']} {row['config']}: {row['error']}"
+    return (f"{row['system']} {row['model']} {row['config']}: {_num(row['real_tok_s'], ',.0f')} real tok/s, "
+            f"{_num(row['peak_gib'], '.1f')} GiB, MFU {_num(row['mfu'], '.3f')}, padding "
+            f"{_num(row['padding_fraction'], '.3f')}, step {_num(row['step_ms'], '.1f')} ms")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "No benchmark rows yet."
+    first = rows[0]
+    peaks = sorted({r["peak_tflops"] for r in rows if r.get("peak_tflops")})
+    lines = [f"Run `{first['run_id']}` on {first['gpu']}, {first['date'][:10]}, torch {first['torch']}; "
+             f"MFU against the dense matmul peak measured in the run"
+             + (f" ({', '.join(f'{p:g}' for p in peaks)} TFLOP/s)" if peaks else "")
+             + ". LoRA r=16 on all 7 projections; real tok/s counts non-pad tokens.",
+             "",
+             "| system | model | config | real tok/s | peak GiB | MFU | padding | step ms | fwd / bwd / opt ms "
+             "| notes |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        split = " / ".join(_num(r.get(k), ".0f") for k in ("fwd_ms", "bwd_ms", "opt_ms"))
+        note = r.get("error") or r.get("describe") or ""
+        if r.get("mfu_note"):
+            note += f"; {r['mfu_note']}"
+        if r.get("new_graphs_timed"):
+            note += f"; {r['new_graphs_timed']} graphs compiled while timed"
+        lines.append(f"| {r['system']} | {r['model']} | {r['config']} | {_num(r['real_tok_s'], ',.0f')} | "
+                     f"{_num(r['peak_gib'], '.1f')} | {_num(r['mfu'], '.3f')} | "
+                     f"{_num(r['padding_fraction'], '.3f')} | {_num(r['step_ms'], '.0f')} | {split} | "
+                     f"{note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def update_results_md(md_path: Path, rows: list[dict]) -> None:
+    """Rewrite the table between the bench markers; everything outside them stays as it is."""
+    section = f"{MD_START}\n{markdown_table(rows)}\n{MD_END}"
+    text = md_path.read_text() if md_path.is_file() else "# gapless benchmark results\n"
+    start, end = text.find(MD_START), text.find(MD_END)
+    if start != -1 and end > start:
+        text = text[:start] + section + text[end + len(MD_END):]
+    else:
+        text = (text.rstrip("\n") + "\n\n## Training throughput (`gapless bench`)\n\n"
+                "Regenerated by `gapless bench` from the results.jsonl beside this file (the latest run); "
+                "edits between the markers are overwritten.\n\n" + section + "\n")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = md_path.with_name(md_path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, md_path)
+
+
+def run_rows(path: Path, run_id: str | None = None) -> list[dict]:
+    """The rows of `run_id` (default: the run of the last row) in file order."""
+    rows = read_rows(path)
+    if not rows:
+        return []
+    run_id = run_id or rows[-1]["run_id"]
+    return [r for r in rows if r.get("run_id") == run_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def command_line(opts, names: list[str]) -> str:
+    """The gapless bench command that reproduces these rows (the effective settings, not the typed text)."""
+    parts = ["gapless", "bench", "--model", opts.model]
+    if names:
+        parts += ["--config", ",".join(names)]
+    parts += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps),
+              "--max-seq-len", str(opts.max_seq_len), "--tokens-per-batch", str(opts.tokens_per_batch),
+              "--lora-r", str(opts.lora_r)]
+    parts += ["--lengths", opts.lengths] if opts.lengths else ["--data", opts.data, "--tokenizer", opts.tokenizer]
+    if opts.peers:
+        parts += ["--peers", "--peers-dir", opts.peers_dir, "--peers-configs", opts.peers_configs]
+        if opts.peers_args:
+            parts.append(f"--peers-args={opts.peers_args}")
+    if opts.dtype:
+        parts += ["--dtype", opts.dtype]
+    return shlex.join(parts)
+
+
+def _split(names: str | None) -> list[str]:
+    return [n.strip() for n in (names or "").split(",") if n.strip()]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here; use cpu or auto")
+    return device
+
+
+def main(opts, log=sys.stderr) -> int:
+    """Run what `opts` (the parsed `gapless bench` command line) asks for; 1 when a configuration failed."""
+    out = Path(opts.out)
+    md = Path(opts.results_md) if opts.results_md else out.with_name("RESULTS.md")
+    if opts.show:
+        rows = run_rows(out, opts.run_id)
+        print(markdown_table(rows))
+        return 0 if rows else 1
+    names = list(LADDER) if opts.ladder or not (opts.config or opts.peers) else _split(opts.config)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--config: {unknown} not known; choose among {list(CONFIGS)} (the ladder: {list(LADDER)})")
+    peer_names = _split(opts.peers_configs) if opts.peers else []
+    for key in ("steps", "warmup", "profile_steps"):
+        if getattr(opts, key) < (1 if key == "steps" else 0):
+            raise ValueError(f"--{key.replace('_', '-')}: must be >= {1 if key == 'steps' else 0}")
+    device = resolve_device(opts.device)
+    dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype: {dtype_name!r} not known; choose bfloat16, float16 or float32")
+    config_path = Path(opts.model) / "config.json"
+    args = model_args_from_config(read_config(opts.model), where=str(config_path))
+    if names:
+        mix, data = load_documents(opts, args.vocab_size)
+    else:
+        mix, data = None, f"lengths {opts.lengths}"
+    run_id = opts.run_id or (datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-"
+                             + uuid.uuid4().hex[:6])
+    ctx = Context(opts=opts, args=args, model_name=Path(opts.model).resolve().name, device=device,
+                  dtype=DTYPES[dtype_name], mix=mix, data=data, peak_flops=None, gpu="", run_id=run_id,
+                  command=command_line(opts, names), started=time.perf_counter())
+    rows = []
+    if names:
+        # the peak first: the GPU is idle and cool
+        ctx.peak_flops = measure_peak_flops(device, DTYPES["bfloat16"] if device.type == "cuda" else ctx.dtype)
+        ctx.gpu = device_name(device)
+        print(f"[bench] run {run_id} on {ctx.gpu}: dense matmul peak {ctx.peak_flops / 1e12:.4g} TFLOP/s; "
+              f"data: {data}", file=log, flush=True)
+        rows += run_configs(ctx, names, out, log)
+    if peer_names:
+        free_device_memory(device)
+        # peers only: the peer gets the GPU before this process touches it (HF+PEFT packed peaks at 129 GiB),
+        # and the peak is measured after it
+        peer_rows = run_peers(ctx, peer_names, log)
+        if ctx.peak_flops is None:
+            ctx.peak_flops = measure_peak_flops(device, DTYPES["bfloat16"] if device.type == "cuda" else ctx.dtype)
+            ctx.gpu = device_name(device)
+        for row in peer_rows:
+            row = finish_peer_row(ctx, row)
+            append_row(out, row)
+            print(f"[bench] {format_row(row)}", file=log, flush=True)
+            rows.append(row)
+    update_results_md(md, run_rows(out, run_id))
+    print(markdown_table(rows))
+    return 1 if any(r.get("error") for r in rows) else 0
+
