@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,8 @@ def hf_checkpoint(tmp_path):
         return model, folder
 
     return make
+
+
+def training_records(path) -> list[dict]:
+    """The per-step training records of metrics.jsonl (time and eval records carry no loss)."""
+    return [r for r in map(json.loads, open(path)) if "loss" in r]

@@ -17,8 +17,10 @@ from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import load_adapter
 from gapless.train.loop import train
+from conftest import training_records
 
 STEPS = 4
+
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_train_writes_the_run_folder_with_overrides(setup, run):
     cfg = load_config(run / "config.yaml")
     assert cfg.lora.r == 8 and cfg.output_dir == str(run)  # the overrides, resolved into the run's config
     assert cfg == load_config(setup["config"], [f"output_dir={run}", "lora.r=8"])
-    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    records = training_records(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == 8 and adapter_cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]

@@ -25,8 +25,10 @@ from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import apply_lora
 from gapless.train.loop import batch_loss_sum, evaluate, total_steps, train
+from conftest import training_records
 
 STEPS = 6  # optimizer steps of the loop runs: checkpoints at 2, 4, 6
+
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +280,7 @@ def test_resume_reproduces_the_uninterrupted_losses(base, uninterrupted):
 
     # metrics.jsonl of the resumed run: each step once (the redone step 3 as the resumed run logged it),
     # the cut record gone
-    records = [json.loads(line) for line in open(resumed.run_dir / "metrics.jsonl")]
+    records = training_records(resumed.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert {r["step"]: r["loss"] for r in records} == uninterrupted.losses
 
@@ -325,7 +327,7 @@ def test_resume_without_checkpoints_starts_over(base, uninterrupted):
 
 def test_metrics_jsonl_and_config_yaml(base, uninterrupted):
     run = uninterrupted.run_dir
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = training_records(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # log_every=1: one record per step
     for r in records:
         for key in ("step", "loss", "lr", "grad_norm", "real_tokens", "tokens_per_s", "elapsed_s"):
@@ -345,8 +347,8 @@ def test_metrics_jsonl_and_config_yaml(base, uninterrupted):
 def test_log_every_averages_over_the_window(base, uninterrupted):
     """log_every=3: a record at steps 3 and 6 whose loss is the token-weighted mean of its 3 steps."""
     result = train(run_config(base, "log3", **{"train.log_every": 3, "checkpoint.every": 0}))
-    records = [json.loads(line) for line in open(result.run_dir / "metrics.jsonl")]
-    per_step = [json.loads(line) for line in open(uninterrupted.run_dir / "metrics.jsonl")]
+    records = training_records(result.run_dir / "metrics.jsonl")
+    per_step = training_records(uninterrupted.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [3, 6]
     for r in records:
         window = [p for p in per_step if r["step"] - 3 < p["step"] <= r["step"]]

@@ -24,6 +24,9 @@ import yaml
 from gapless.config import RunConfig, to_dict
 from gapless.data.batching import Batch
 from gapless.kernels.loss import linear_cross_entropy
+from gapless.meter.monitor import GpuMonitor
+from gapless.meter.report import write_report
+from gapless.meter.timeline import Timeline, format_summary
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gapless.train.prefetch import Prefetcher
@@ -124,12 +127,14 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     from gapless.model.loading import load_model
     from gapless.model.lora import save_adapter
 
-    t_start = time.perf_counter()
+    device = resolve_device(cfg.model.device)
+    timeline = Timeline(device)  # every second from here on goes to one category (gapless.meter.timeline)
+    timeline.begin("startup")
+    t_start = timeline.t0
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
-    device = resolve_device(cfg.model.device)
     progress = Progress(0, stream=out, enabled=cfg.progress)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
@@ -174,32 +179,42 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     result = RunResult(run_dir=run_dir, steps=steps_total)
     progress.total = steps_total
     metrics = open_metrics(run_dir / "metrics.jsonl", step)
-    batches = Prefetcher(sampler, device)
+    batches = Prefetcher(sampler, device, timeline=timeline)
+    monitor = GpuMonitor(run_dir / "gpu.jsonl", device, t0=timeline.t0)
+    progress.message(monitor.status)
     k = cfg.train.grad_accum
     # device-side accumulators, read every log_every steps (the loop's only host sync)
     window_loss = torch.zeros((), dtype=torch.float32, device=device)
     window_tokens = window_real = 0
     t_window = time.perf_counter()
     steps_this_run = 0
+    timeline.end("startup")
     try:
         while step < steps_total:
-            micro = [batches.next() for _ in range(k)]  # already on the device
+            with timeline.phase("data_wait"):
+                micro = [batches.next() for _ in range(k)]  # already on the device
             n_step = sum(b.num_target_tokens for b in micro)  # host ints counted by the data pipeline
-            for b in micro:
-                loss_sum = batch_loss_sum(model, b)
-                (loss_sum / max(n_step, 1)).backward()
-                window_loss += loss_sum.detach()
-            grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
+            with timeline.phase("startup" if warmup else "compute"):
+                for b in micro:
+                    loss_sum = batch_loss_sum(model, b)
+                    (loss_sum / max(n_step, 1)).backward()
+                    window_loss += loss_sum.detach()
+                grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if warmup:
+                timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
             step += 1
             steps_this_run += 1
             window_tokens += n_step
             window_real += sum(b.num_real_tokens for b in micro)
 
             if step % cfg.train.log_every == 0 or step == steps_total:
+                timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
+                timeline.begin("logging")
                 loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
                 now = time.perf_counter()
                 tok_s = window_real / max(now - t_window, 1e-9)
@@ -211,15 +226,20 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
                 progress.update(step, loss, tok_s, lr)
                 window_loss.zero_()
                 window_tokens = window_real = 0
+                write_metrics(metrics, timeline.record(step))
+                timeline.end("logging")
                 t_window = time.perf_counter()
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
-                checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
-                                 {"step": step, "scheduler": scheduler.state_dict(), "sampler": batches.state,
-                                  "rng": capture_rng_state()})
+                with timeline.phase("checkpoint"):
+                    checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
+                                     {"step": step, "scheduler": scheduler.state_dict(), "sampler": batches.state,
+                                      "rng": capture_rng_state()})
 
             if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps_total:
-                ev = evaluate(model, eval_batches, device)
+                timeline.settle()  # SYNC: queued training steps are compute, not evaluation
+                with timeline.phase("eval"):
+                    ev = evaluate(model, eval_batches, device)
                 write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
                 progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
@@ -227,18 +247,26 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
                 break
     finally:
         batches.close()
-        checkpoints.close()
+        with timeline.phase("checkpoint"):
+            checkpoints.close()  # the last write in flight
+        monitor.close()
         progress.close()
 
     if step == steps_total:
         if eval_batches:
-            ev = evaluate(model, eval_batches, device)
+            timeline.settle()
+            with timeline.phase("eval"):
+                ev = evaluate(model, eval_batches, device)
             write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
             progress.message(f"final eval loss {ev['eval_loss']:.4f}")
         final = run_dir / "adapter"
-        save_adapter(model, final, cfg.lora, base_model_name_or_path=str(Path(cfg.model.path).resolve()))
-        copy_tokenizer_files(tokenizer_dir, final)
+        with timeline.phase("checkpoint"):
+            save_adapter(model, final, cfg.lora, base_model_name_or_path=str(Path(cfg.model.path).resolve()))
+            copy_tokenizer_files(tokenizer_dir, final)
         result.final_dir = final
         progress.message(f"adapter written to {final}")
+    write_metrics(metrics, timeline.record(step, final=True))
+    progress.message(f"time: {format_summary(timeline.summary())}")
     metrics.close()
+    progress.message(f"report: {write_report(run_dir)}")
     return result

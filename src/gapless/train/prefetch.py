@@ -22,8 +22,9 @@ _DONE = object()
 
 
 class Prefetcher:
-    def __init__(self, sampler: BatchSampler, device: torch.device, depth: int = 2):
+    def __init__(self, sampler: BatchSampler, device: torch.device, depth: int = 2, timeline=None):
         self.device = device
+        self.timeline = timeline
         self.state = sampler.state_dict()
         self.wait_seconds = 0.0  # time the loop spent waiting for a batch: input-bound when it grows
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -58,7 +59,10 @@ class Prefetcher:
         if item is _DONE:
             raise self._error
         batch, self.state = item
-        return batch.to(self.device, non_blocking=True)
+        if self.timeline is None:
+            return batch.to(self.device, non_blocking=True)
+        with self.timeline.phase("h2d_copy"):
+            return batch.to(self.device, non_blocking=True)
 
     def close(self) -> None:
         self._stop.set()
