@@ -32,7 +32,9 @@ bench() {  # bench RESERVE_S ARGS...: one gapless bench process with the time le
   timeout -k 10 $(( limit + 15 )) "$PY" -m gapless.cli bench --lengths "$LENGTHS" --run-id "$RUN_ID" \
     --steps 8 --warmup 3 --profile-steps 2 --time-limit-s "$limit" "$@" 2>&1 | tee -a "$OUT/bench.log"
   local rc=${PIPESTATUS[0]}
-  if (( rc == 124 || rc == 137 )); then echo "[run_gpu] killed after $(( limit + 15 ))s: $*" | tee -a "$OUT/bench.log"; fi
+  if (( rc == 124 || rc == 137 )); then
+    echo "[run_gpu] killed after $(( limit + 15 ))s: $*" | tee -a "$OUT/bench.log"
+  fi
 }
 
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,memory.used \

@@ -64,7 +64,9 @@ def test_cli_ladder_rows_and_results_md(setup):
     ok = {r["config"]: r for r in got if not r["error"]}
     assert set(ok) == set(names) - {"packed"}
     for r in ok.values():
-        assert r["real_tok_s"] > 0 and 0 < r["mfu"] < 1 and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["opt_ms"] > 0
+        assert r["real_tok_s"] > 0 and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["opt_ms"] > 0
+        # MFU is the achieved FLOP/s over the peak measured in the run (the CPU's load varies: no bound on it here)
+        assert r["mfu"] == pytest.approx(r["tflops"] / r["peak_tflops"], rel=2e-3) and r["mfu"] > 0
         # real tok/s is the real tokens of the timed steps over their time
         assert r["real_tok_s"] == pytest.approx(r["real_tokens"] / (r["step_ms"] * r["steps"] / 1e3), rel=0.01)
         assert r["padding_fraction"] == pytest.approx(1 - r["real_tokens"] / r["slots"], abs=1e-4)
@@ -116,7 +118,8 @@ def test_update_results_md_creates_and_replaces_only_its_section(tmp_path):
            "padding_fraction": 0.01, "step_ms": 10.0, "fwd_ms": 3.0, "bwd_ms": 6.0, "opt_ms": 1.0}
     update_results_md(md, [row])
     text = md.read_text()
-    assert text.startswith("# ") and "| gapless | m | packed_sdpa | 1,234 | - | 0.250 | 0.010 | 10 | 3 / 6 / 1 |" in text
+    assert text.startswith("# ")
+    assert "| gapless | m | packed_sdpa | 1,234 | - | 0.250 | 0.010 | 10 | 3 / 6 / 1 |" in text
     md.write_text("before\n" + text + "after\n")
     update_results_md(md, [dict(row, run_id="r2", config="best")])
     text = md.read_text()

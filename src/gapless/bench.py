@@ -421,7 +421,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     row = base_row(ctx, "gapless", name)
     row.update(
         real_tok_s=round(real / seconds, 1), peak_gib=None if peak_gib is None else round(peak_gib, 2),
-        mfu=round(mfu(flops, seconds, ctx.peak_flops), 4), padding_fraction=round(1 - real / slots, 4),
+        mfu=_sig(mfu(flops, seconds, ctx.peak_flops)), padding_fraction=round(1 - real / slots, 4),
         step_ms=round(seconds * 1e3 / len(timed), 2),
         fwd_ms=round(phases[0], 2) if profile else None, bwd_ms=round(phases[1], 2) if profile else None,
         opt_ms=round(phases[2], 2) if profile else None,
@@ -437,6 +437,9 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
 
 
 def free_device_memory(device: torch.device) -> None:
+    """Drop the last configuration's model, and dynamo's compiled code that may still refer to it. Compiling the
+    same layer again costs only dynamo's trace: inductor's FX-graph and AOT-autograd caches keep the kernels."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -584,7 +587,7 @@ def finish_peer_row(ctx: Context, row: dict) -> dict:
     row = dict(row, gpu=ctx.gpu)
     flops, seconds = row.pop("flops", None), row.pop("seconds", None)
     if flops is not None:
-        row["mfu"] = round(mfu(flops, seconds, ctx.peak_flops), 4)
+        row["mfu"] = _sig(mfu(flops, seconds, ctx.peak_flops))
         row["tflops"] = _sig(flops / seconds / 1e12)
         row["peak_tflops"] = _sig(ctx.peak_flops / 1e12)
     return row
