@@ -57,6 +57,7 @@ A configuration that fails (out of memory, a compile error) is recorded with its
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -84,6 +85,7 @@ from gapless.kernels.loss import linear_cross_entropy
 from gapless.meter.flops import mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
+from gapless.train.loop import resolve_device
 
 MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
 GRAD_CLIP = 1.0  # the loop's default (optim.grad_clip)
@@ -175,17 +177,11 @@ def loss_materialised(model: CausalLM, batch: Batch) -> torch.Tensor:
                            reduction="sum")
 
 
-def loss_fused_compiled(model: CausalLM, batch: Batch) -> torch.Tensor:
-    """batch_loss_sum with the loss's per-chunk softmax/gradient step compiled (one fused kernel pair)."""
-    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.attention_mask,
-                                 batch.max_seqlen)
-    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten(), compiled=True)
-
-
 def loss_function(kind: str) -> Callable[[CausalLM, Batch], torch.Tensor]:
     from gapless.train.loop import batch_loss_sum
 
-    return {"materialised": loss_materialised, "fused": batch_loss_sum, "fused_compiled": loss_fused_compiled}[kind]
+    return {"materialised": loss_materialised, "fused": batch_loss_sum,
+            "fused_compiled": functools.partial(batch_loss_sum, compiled=True)}[kind]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,15 +700,6 @@ def _split(names: str | None) -> list[str]:
     return [n.strip() for n in (names or "").split(",") if n.strip()]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here; use cpu or auto")
-    return device
-
-
 def main(opts, log=sys.stderr) -> int:
     """Run what `opts` (the parsed `gapless bench` command line) asks for; 1 when a configuration failed."""
     out = Path(opts.out)
@@ -729,7 +716,7 @@ def main(opts, log=sys.stderr) -> int:
     for key in ("steps", "warmup", "profile_steps"):
         if getattr(opts, key) < (1 if key == "steps" else 0):
             raise ValueError(f"--{key.replace('_', '-')}: must be >= {1 if key == 'steps' else 0}")
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, "--device")
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype_name not in DTYPES:
         raise ValueError(f"--dtype: {dtype_name!r} not known; choose bfloat16, float16 or float32")

@@ -33,19 +33,22 @@ from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 
 
-def batch_loss_sum(model, batch: Batch) -> torch.Tensor:
-    """Sum of the cross-entropy over the batch's trained tokens; full logits never exist."""
+def batch_loss_sum(model, batch: Batch, compiled: bool = False) -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's trained tokens; full logits never exist.
+    `compiled`: the loss's per-chunk softmax/gradient step through torch.compile (GPU fast path)."""
     hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens,
                                  batch.attention_mask, batch.max_seqlen)  # [B, T, D]
-    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten())
+    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten(),
+                                compiled=compiled)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, setting: str = "model.device") -> torch.device:
+    """`auto` is CUDA when available; `setting` names where the user chose it, for the error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+        raise ValueError(f"{setting}: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
     return device
 
 
