@@ -357,3 +357,11 @@ def test_log_every_averages_over_the_window(base, uninterrupted):
         assert r["real_tokens"] == sum(p["real_tokens"] for p in window)
         assert r["loss"] == pytest.approx(sum(p["loss"] * p["trained_tokens"] for p in window) / tokens, rel=1e-6)
     shutil.rmtree(result.run_dir)
+
+
+def test_activation_checkpointing_changes_memory_not_losses(base, uninterrupted):
+    """model.activation_checkpointing=1 recomputes every layer in backward; the run's losses are the same."""
+    result = train(run_config(base, "act_ckpt", **{"model.activation_checkpointing": 1, "checkpoint.every": 0}))
+    assert set(result.losses) == set(uninterrupted.losses)
+    for step, loss in uninterrupted.losses.items():
+        assert result.losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step

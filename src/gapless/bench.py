@@ -85,6 +85,7 @@ from gapless.kernels.loss import linear_cross_entropy
 from gapless.meter.flops import mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
+from gapless.train.compile import compile_layers
 from gapless.train.loop import resolve_device
 
 MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -127,25 +128,6 @@ PEER_FIRST_CALL_S = 30.0  # imports and building the model
 
 # ---------------------------------------------------------------------------------------------
 # transforms and the model
-
-
-def compile_layers(model: CausalLM, **compile_kwargs) -> CausalLM:
-    """torch.compile every decoder layer in place (nn.Module.compile keeps the HF parameter names).
-
-    Layers share one code object and, with dynamo's inlining of nn.Modules, one compiled graph: compiling
-    each block rather than the whole model (torchtitan's choice) compiles one layer, not 28, and keeps the
-    embedding, the loss and the layer loop eager. Two variants in fact: layer 0's input (the frozen embedding's
-    output) needs no gradient, the others' do.
-
-    dynamic=True (the default here): packed batches change cu_seqlens' length (documents + 1) and max_seqlen (a
-    host int) every batch. Static shapes would compile once, then again for both once they change (dynamo's
-    automatic dynamic shapes): two full compiles per variant. Symbolic from the start, it is one; the weights stay
-    static (force_parameter_static_shapes), so the matmuls and the reductions over the hidden size keep fixed sizes.
-    """
-    compile_kwargs.setdefault("dynamic", True)
-    for layer in model.model.layers:
-        layer.compile(**compile_kwargs)
-    return model
 
 
 def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, attn: str,

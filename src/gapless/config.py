@@ -381,8 +381,15 @@ class ModelConfig:
     # attention backend, chosen explicitly, never silently: sdpa (plain PyTorch, runs anywhere),
     # varlen (torch varlen_attn), flex (FlexAttention), fa4 (flash-attn-4); see gapless.kernels.attention
     attn_backend: str = "sdpa"
+    # torch.compile each decoder layer and the loss's per-chunk step (GPU fast path; the first step compiles)
+    compile: bool = False
+    # activation checkpointing of every N-th decoder layer, only when memory requires it; 0 = off
+    activation_checkpointing: int = 0
 
     def validate(self, where: str = "model") -> None:
+        if self.activation_checkpointing < 0:
+            raise ValueError(f"{where}.activation_checkpointing: must be >= 0 (0 = off, 1 = every layer), "
+                             f"got {self.activation_checkpointing}")
         if not self.path.strip():
             raise ValueError(f"{where}.path: empty; give the folder of an HF checkpoint (config.json + *.safetensors)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -27,6 +27,8 @@ from gapless.kernels.loss import linear_cross_entropy
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import write_report
 from gapless.meter.timeline import Timeline, format_summary
+from gapless.train.ckpt_activations import checkpoint_activations
+from gapless.train.compile import compile_layers
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gapless.train.prefetch import Prefetcher
@@ -151,6 +153,10 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     # -- model: the plain checkpoint model, then the method's transform
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device, attn_backend=cfg.model.attn_backend)
     model = apply_method(model, cfg)
+    if cfg.model.activation_checkpointing:
+        model = checkpoint_activations(model, every=cfg.model.activation_checkpointing)
+    if cfg.model.compile:
+        model = compile_layers(model)
     model.train()
     params = list(trainable_state(model).values())
     optimizer = build_optimizer(params, cfg.optim, device.type)
@@ -200,7 +206,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
                 for b in micro:
-                    loss_sum = batch_loss_sum(model, b)
+                    loss_sum = batch_loss_sum(model, b, compiled=cfg.model.compile)
                     (loss_sum / max(n_step, 1)).backward()
                     window_loss += loss_sum.detach()
                 grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
