@@ -182,6 +182,9 @@ def _fa4_backend() -> AttentionFn:
                            f"which is not importable here ({e}); install it (shared/peers/README.md says how) or "
                            "choose 'varlen'") from e
 
+    # the CuTe DSL kernels JIT-compile through their own Python: dynamo must not trace into them, so inside a
+    # compiled decoder layer the attention call is a graph break (the layer compiles as two graphs)
+    @torch.compiler.disable
     def fa4(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
             attention_mask: Tensor | None = None, sliding_window: int | None = None,
             scale: float | None = None) -> Tensor:
