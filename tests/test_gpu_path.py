@@ -2,8 +2,10 @@
 
 CPU: float32, the sdpa reference attention, eager. GPU: bfloat16 weights and activations (float32 LoRA
 master weights), varlen attention, compiled decoder layers and compiled loss step. Tolerance: bf16 has an
-8-bit mantissa (relative rounding 2^-8 ~ 0.4%); over 2 layers and a few optimizer steps the mean loss
-agrees within 2%.
+8-bit mantissa (relative rounding 2^-8 ~ 0.4%). Step 1 is the forward alone: within 0.2% (measured on the
+H200: 4.07936 vs 4.07861). Later steps also carry the optimizer's response to bf16 gradients: Adam turns
+every gradient component, however noisy, into a step of about lr, so at lr 5e-3 step 2 differed by 3%
+(3.768 vs 3.886); at lr 1e-3 the runs stay within 2%.
 """
 import pytest
 import torch
@@ -27,7 +29,7 @@ def run(tmp_path, name, model_overrides):
         "data": {"sources": [{"path": str(tmp_path / "train.jsonl")}], "max_seq_len": 64, "tokens_per_batch": 512,
                  "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
         "lora": {"r": 8, "alpha": 16},
-        "optim": {"lr": 5e-3},
+        "optim": {"lr": 1e-3},
         "train": {"steps": STEPS, "log_every": 1, "seed": 0},
         "output_dir": str(tmp_path / name), "progress": False,
     })
@@ -39,6 +41,7 @@ def test_fast_path_losses_match_the_cpu_reference(tmp_path, attn, compile):
     ref = run(tmp_path, "cpu", {"device": "cpu", "dtype": "float32", "attn_backend": "sdpa"})
     fast = run(tmp_path, "gpu", {"device": "cuda", "dtype": "bfloat16", "attn_backend": attn, "compile": compile})
     assert sorted(fast) == sorted(ref) == list(range(1, STEPS + 1))
+    assert fast[1] == pytest.approx(ref[1], rel=2e-3), (fast, ref)
     for step in ref:
         assert fast[step] == pytest.approx(ref[step], rel=2e-2), (step, fast, ref)
     assert ref[STEPS] < ref[1]  # it trained: a test of a run that learns nothing would prove little
