@@ -8,8 +8,8 @@ from gapless import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gapless", description="Fast, correct, measured fine-tuning of Llama-family '
-                                     "models: `gapless demo` to see it work on a CPU.")
+    parser = argparse.ArgumentParser(prog="gapless", description="Fast, correct, measured fine-tuning of "
+                                     "Llama-family models. Start with `gapless demo`.")
     parser.add_argument("--version", action="version", version=f"gapless {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in COMMANDS:
