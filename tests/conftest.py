@@ -2,6 +2,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from gapless.model.loading import load_model
+from gapless.model.lora import load_adapter
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -51,3 +55,12 @@ def hf_checkpoint(tmp_path):
 def training_records(path) -> list[dict]:
     """The per-step training records of metrics.jsonl (time and eval records carry no loss)."""
     return [r for r in map(json.loads, open(path)) if "loss" in r]
+
+
+@torch.no_grad()
+def gapless_logits(base: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the HF folder `base` loaded by gapless, with the PEFT adapter folder `adapter` on it when given."""
+    model = load_model(base)
+    if adapter is not None:
+        model, _ = load_adapter(model, adapter)
+    return model.eval()(ids)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from gapless import cli
-from gapless.model.loading import load_model
-from gapless.model.lora import load_adapter
+from conftest import gapless_logits
 
 DEMO_STEPS = 400
 TIME_LIMIT_S = 180  # the demo's promise is "about a minute" on a laptop; 2 shared CI cores get 3
@@ -44,14 +43,6 @@ def logits_inputs(base: Path) -> torch.Tensor:
                                    tokenize=True, return_dict=False)
            for w, a in [("hello", "ifmmp"), ("zebra", "afcsb"), ("quick", "rvjdl")]]
     return torch.tensor(ids)
-
-
-@torch.no_grad()
-def gapless_logits(base: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
-    model = load_model(base)
-    if adapter is not None:
-        model, _ = load_adapter(model, adapter)
-    return model.eval()(ids)
 
 
 @torch.no_grad()

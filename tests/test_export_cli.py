@@ -14,10 +14,8 @@ from safetensors.torch import load_file
 from gapless import cli, demo_task
 from gapless.config import load_config
 from gapless.demo import write_base_model
-from gapless.model.loading import load_model
-from gapless.model.lora import load_adapter
 from gapless.train.loop import train
-from conftest import training_records
+from conftest import gapless_logits, training_records
 
 STEPS = 4
 
@@ -60,14 +58,6 @@ def assert_same_tensors(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-@torch.no_grad()
-def logits_of(base: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
-    model = load_model(base)
-    if adapter is not None:
-        model, _ = load_adapter(model, adapter)
-    return model.eval()(ids)
 
 
 def test_train_writes_the_run_folder_with_overrides(setup, run):
@@ -144,9 +134,9 @@ def test_export_merged_has_the_adapted_logits(setup, run, tmp_path, source):
     out = tmp_path / "merged"
     assert cli.main(["export", str(src), "--merge", "--out", str(out)]) == 0
     ids = torch.randint(5, demo_task.vocab_size(), (2, 24), generator=torch.Generator().manual_seed(0))
-    want = logits_of(setup["base"], run / "adapter", ids)
-    assert (logits_of(setup["base"], None, ids) - want).abs().max() > 1e-2  # the adapter changes the logits
-    torch.testing.assert_close(logits_of(out, None, ids), want, rtol=0, atol=1e-4)
+    want = gapless_logits(setup["base"], run / "adapter", ids)
+    assert (gapless_logits(setup["base"], None, ids) - want).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(gapless_logits(out, None, ids), want, rtol=0, atol=1e-4)
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=0, atol=1e-4)
@@ -159,7 +149,7 @@ def test_export_merged_dtype(setup, run, tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as st:
         assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.bfloat16}
     ids = torch.randint(5, demo_task.vocab_size(), (1, 16), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(logits_of(out, None, ids), logits_of(setup["base"], run / "adapter", ids),
+    torch.testing.assert_close(gapless_logits(out, None, ids), gapless_logits(setup["base"], run / "adapter", ids),
                                rtol=0, atol=0.1)  # bf16 weights: ~3 significant digits
 
 

@@ -10,9 +10,9 @@ batch the loop took, so a resumed run continues with exactly the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-import time
 
 import torch
 
@@ -26,7 +26,6 @@ class Prefetcher:
         self.device = device
         self.timeline = timeline
         self.state = sampler.state_dict()
-        self.wait_seconds = 0.0  # time the loop spent waiting for a batch: input-bound when it grows
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -53,15 +52,11 @@ class Prefetcher:
             self._queue.put(_DONE)
 
     def next(self) -> Batch:
-        t = time.perf_counter()
-        item = self._queue.get()
-        self.wait_seconds += time.perf_counter() - t
+        item = self._queue.get()  # the caller's timeline counts this wait as data_wait
         if item is _DONE:
             raise self._error
         batch, self.state = item
-        if self.timeline is None:
-            return batch.to(self.device, non_blocking=True)
-        with self.timeline.phase("h2d_copy"):
+        with self.timeline.phase("h2d_copy") if self.timeline else contextlib.nullcontext():
             return batch.to(self.device, non_blocking=True)
 
     def close(self) -> None:
