@@ -82,7 +82,7 @@ from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from
 from gapless.data.batching import IGNORE, Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
 from gapless.kernels.loss import linear_cross_entropy
-from gapless.meter.flops import mfu, step_flops
+from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
 from gapless.train.compile import compile_layers
@@ -251,27 +251,6 @@ class Clock:
 
     def ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense matmul FLOP/s: median of 20 timed 8192^3 products on CUDA (512^3 on the CPU), after 10 warm-ups
-    (enough to bring an idle GPU to its clocks: 15 ms of work)."""
-    n = 8192 if device.type == "cuda" else 512
-    gen = torch.Generator(device=device).manual_seed(1)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)  # random, not zeros: zeros run faster
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    clock = Clock(device)
-    for _ in range(10):
-        torch.mm(a, b)
-    times = []
-    for _ in range(20):
-        clock.sync()
-        t0 = clock.mark()
-        torch.mm(a, b)
-        t1 = clock.mark()
-        clock.sync()
-        times.append(clock.ms(t0, t1))
-    return 2 * n ** 3 / (float(np.median(times)) / 1e3)
 
 
 def device_name(device: torch.device) -> str:

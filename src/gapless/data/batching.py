@@ -47,6 +47,9 @@ class Batch:
     num_real_tokens: int  # host ints counted while building the batch: reading them needs no device sync
     num_target_tokens: int
     num_slots: int  # B * T
+    # the real length of each document in the batch, host ints (the FLOPs of attention depend on them;
+    # cu_seqlens also holds each packed row's padding tail)
+    doc_lengths: tuple[int, ...] = ()
 
     def to(self, device, non_blocking: bool = True) -> Batch:
         def move(t):
@@ -54,7 +57,7 @@ class Batch:
 
         return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.cu_seqlens),
                      self.max_seqlen, move(self.attention_mask), self.num_real_tokens, self.num_target_tokens,
-                     self.num_slots)
+                     self.num_slots, self.doc_lengths)
 
     def pin_memory(self) -> Batch:
         def pin(t):
@@ -62,7 +65,7 @@ class Batch:
 
         return Batch(pin(self.input_ids), pin(self.targets), pin(self.position_ids), pin(self.cu_seqlens),
                      self.max_seqlen, pin(self.attention_mask), self.num_real_tokens, self.num_target_tokens,
-                     self.num_slots)
+                     self.num_slots, self.doc_lengths)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,10 +307,10 @@ class BatchSampler:
             if c < t:  # the unused tail of the row: a segment of its own, all padding
                 pos[r, c:] = np.arange(t - c)
                 seqlens.append(t - c)
-        real = sum(int(self.mix.lengths[d]) for row in rows for d in row)
+        lengths = tuple(int(self.mix.lengths[d]) for row in rows for d in row)
         cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
         return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), torch.from_numpy(cu),
-                     int(max(seqlens)), None, real, int((targets != IGNORE).sum()), b * t)
+                     int(max(seqlens)), None, sum(lengths), int((targets != IGNORE).sum()), b * t, lengths)
 
     def _padded(self, docs: list[int], t: int) -> Batch:
         b = len(docs)
@@ -322,7 +325,8 @@ class BatchSampler:
             attn[r, :n] = 1
         pos = np.broadcast_to(np.arange(t), (b, t)).copy()
         return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), None, t,
-                     torch.from_numpy(attn), int(attn.sum()), int((targets != IGNORE).sum()), b * t)
+                     torch.from_numpy(attn), int(attn.sum()), int((targets != IGNORE).sum()), b * t,
+                     tuple(int(self.mix.lengths[d]) for d in docs))
 
     # -- iteration and state
 

@@ -40,7 +40,11 @@ torch's FLOP counter.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterable, Sequence
+
+import torch
 
 from gapless.config import ALL_LINEAR
 from gapless.model.decoder import ModelArgs
@@ -110,3 +114,31 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     if seconds <= 0 or peak_flops <= 0:
         raise ValueError(f"mfu: seconds ({seconds}) and peak_flops ({peak_flops}) must be positive")
     return flops / seconds / peak_flops
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul FLOP/s of this device in `dtype`: the median of 20 timed 8192^3 products on CUDA (512^3 on
+    the CPU), after 10 warm-ups (enough to bring an idle GPU to its clocks: 15 ms of work). An H200 gives about
+    790 TFLOP/s in bf16 (shared/peers/README.md); its datasheet's 989 is not reached by any real matmul."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = 8192 if cuda else 512
+    gen = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)  # random, not zeros: zeros run faster
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    for _ in range(10):
+        torch.mm(a, b)
+    times = []
+    for _ in range(20):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.mm(a, b)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)

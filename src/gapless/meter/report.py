@@ -61,7 +61,8 @@ class Run:
     gap: dict | None = None
 
 
-def read_run(run_dir: str | Path) -> Run:
+def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
+    """The run folder's files; `pending`: records not yet in metrics.jsonl, read as if they ended it."""
     path = Path(run_dir)
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
@@ -70,7 +71,7 @@ def read_run(run_dir: str | Path) -> Run:
     config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
     run = Run(path, config)
     train: dict[int, dict] = {}
-    for r in load_samples(metrics):  # JSON lines, a torn last line left out
+    for r in [*load_samples(metrics), *pending]:  # JSON lines, a torn last line left out
         if r.get("kind") == "time":
             run.time.append(r)
         elif "eval_loss" in r:
@@ -446,9 +447,9 @@ def _duration(seconds: float) -> str:
     return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s"
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write RUN/report.html (self-contained) and return its path."""
-    run = read_run(run_dir)
+def write_report(run_dir: str | Path, pending: list[dict] = ()) -> Path:
+    """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run)."""
+    run = read_run(run_dir, pending)
     out = run.path / "report.html"
     out.write_text(render(run), encoding="utf-8")
     return out

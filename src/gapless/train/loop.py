@@ -9,6 +9,14 @@ N_step is a host integer the data pipeline counted while building the batches: n
 
 Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read
 once per `train.log_every` steps (marked SYNC below).
+
+Tokens are counted three ways, all host integers from the data pipeline (never a device read):
+real tokens (documents' tokens, never padding), trained tokens (loss-bearing) and slot tokens (B * T
+of every batch, padding included). Throughput is always real tokens: per logged window over its wall
+time (`tokens_per_s`) and over its compute time (`compute_tokens_per_s`), and for the whole run in the
+last record ({"kind": "run"}: real tokens / wall time from the start of `train` to its end).
+MFU per window: gapless.meter.flops.step_flops over the real document lengths / window wall time /
+the dense matmul peak measured at startup on this device in the model's dtype (formula in flops.py).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import yaml
 from gapless.config import RunConfig, to_dict
 from gapless.data.batching import Batch
 from gapless.kernels.loss import linear_cross_entropy
+from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import write_report
 from gapless.meter.timeline import Timeline, format_summary
@@ -74,7 +83,18 @@ class RunResult:
     steps: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss of that logged step
     final_dir: Path | None = None
-    tokens_per_s: float = 0.0
+    real_tokens: int = 0  # of every step this call ran
+    wall_s: float = 0.0  # from the start of `train` to its end, the report included
+    tokens_per_s: float = 0.0  # real_tokens / wall_s
+    # the steady part: the steps after the warm-up step (which compiles), from its end to the end of the loop
+    # (the GPU settled, the last checkpoint write waited for); what `gapless gap` compares
+    steady_tokens: int = 0
+    steady_s: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)  # the timeline's categories at the end
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else 0.0
 
 
 def apply_method(model, cfg: RunConfig):
@@ -121,10 +141,13 @@ def open_metrics(path: Path, resumed_step: int):
     return open(path, "a")
 
 
-def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResult:
-    """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a test's simulated crash).
+def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None) -> RunResult:
+    """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a simulated crash, or the
+    short measured window of `gapless gap`).
 
-    `out` receives the human-readable summary lines (stderr by default).
+    `out` receives the human-readable summary lines (stderr by default). `data`: (mix, eval_mix, summary)
+    prepared by the caller instead of reading cfg.data's sources (`gapless gap`'s synthetic full rows);
+    batching still follows cfg.data.
     """
     from gapless.data.batching import BatchSampler
     from gapless.data.tokenize import build_data
@@ -144,7 +167,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-    mix, eval_mix, summary = build_data(cfg.data, tokenizer_dir)
+    mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
@@ -158,6 +181,8 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     if cfg.model.compile:
         model = compile_layers(model)
     model.train()
+    dtype = next(model.parameters()).dtype
+    peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
     params = list(trainable_state(model).values())
     optimizer = build_optimizer(params, cfg.optim, device.type)
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
@@ -194,9 +219,12 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
     k = cfg.train.grad_accum
     # device-side accumulators, read every log_every steps (the loop's only host sync)
     window_loss = torch.zeros((), dtype=torch.float32, device=device)
-    window_tokens = window_real = 0
+    window_tokens = window_real = window_slots = 0
+    window_flops = 0.0
     t_window = time.perf_counter()
+    compute_mark = 0.0  # the timeline's compute seconds at the start of the window
     steps_this_run = 0
+    t_steady = None
     timeline.end("startup")
     try:
         while step < steps_total:
@@ -216,28 +244,44 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
                 optimizer.zero_grad(set_to_none=True)
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
+                t_steady = time.perf_counter()
+                t_window, compute_mark = t_steady, timeline.summary()["compute"]
+            else:
+                result.steady_tokens += sum(b.num_real_tokens for b in micro)
             step += 1
             steps_this_run += 1
             window_tokens += n_step
-            window_real += sum(b.num_real_tokens for b in micro)
+            real = sum(b.num_real_tokens for b in micro)
+            window_real += real
+            result.real_tokens += real
+            window_slots += sum(b.num_slots for b in micro)
+            window_flops += sum(step_flops(model.args, b.doc_lengths, cfg.method, cfg.lora.r, cfg.lora.target_modules)
+                                for b in micro)
 
             if step % cfg.train.log_every == 0 or step == steps_total:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
                 loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
                 now = time.perf_counter()
-                tok_s = window_real / max(now - t_window, 1e-9)
+                seconds = max(now - t_window, 1e-9)
+                compute_s = timeline.summary()["compute"]
+                tok_s = window_real / seconds
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                          "real_tokens": window_real, "trained_tokens": window_tokens, "tokens_per_s": tok_s,
-                          "elapsed_s": now - t_start}
+                          "real_tokens": window_real, "trained_tokens": window_tokens, "slot_tokens": window_slots,
+                          "padding_fraction": 1 - window_real / max(window_slots, 1), "tokens_per_s": tok_s,
+                          "compute_tokens_per_s": window_real / max(compute_s - compute_mark, 1e-9),
+                          "mfu": window_flops / seconds / peak_flops, "tflops": window_flops / seconds / 1e12,
+                          "peak_tflops": peak_flops / 1e12, "elapsed_s": now - t_start}
                 write_metrics(metrics, record)
                 result.losses[step] = loss
                 progress.update(step, loss, tok_s, lr)
                 window_loss.zero_()
-                window_tokens = window_real = 0
+                window_tokens = window_real = window_slots = 0
+                window_flops = 0.0
                 write_metrics(metrics, timeline.record(step))
                 timeline.end("logging")
                 t_window = time.perf_counter()
+                compute_mark = timeline.summary()["compute"]
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
                 with timeline.phase("checkpoint"):
@@ -260,6 +304,9 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
             checkpoints.close()  # the last write in flight
         monitor.close()
         progress.close()
+    timeline.settle()  # SYNC: the loop's last steps finish on the GPU before the steady window ends
+    if t_steady is not None:
+        result.steady_s = time.perf_counter() - t_steady
 
     if step == steps_total:
         if eval_batches:
@@ -274,8 +321,22 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None) -> RunResu
             copy_tokenizer_files(tokenizer_dir, final)
         result.final_dir = final
         progress.message(f"adapter written to {final}")
-    write_metrics(metrics, timeline.record(step, final=True))
-    progress.message(f"time: {format_summary(timeline.summary())}")
+    # the report is part of the run: it is written inside the timeline, from metrics.jsonl plus the final
+    # record that is written after it (so that record, the last line, covers every second of the call)
+    with timeline.phase("logging"):
+        report = write_report(run_dir, pending=[_run_record(timeline.record(step, final=True), result)])
+    final = _run_record(timeline.record(step, final=True), result)
+    write_metrics(metrics, final)
     metrics.close()
-    progress.message(f"report: {write_report(run_dir)}")
+    result.wall_s, result.seconds = final["wall_s"], final["seconds"]
+    result.tokens_per_s = final["tokens_per_s"]
+    progress.message(f"time: {format_summary({**final['seconds'], 'wall': final['wall_s']})}")
+    progress.message(f"throughput: {result.real_tokens:,} real tokens in {final['wall_s']:.1f} s = "
+                     f"{result.tokens_per_s:,.0f} real tokens/s over the whole run; report: {report}")
     return result
+
+
+def _run_record(time_record: dict, result: RunResult) -> dict:
+    """The final time record plus the run's totals: real tokens over the wall time of the whole call."""
+    return {**time_record, "real_tokens": result.real_tokens,
+            "tokens_per_s": result.real_tokens / max(time_record["wall_s"], 1e-9)}
