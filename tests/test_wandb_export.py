@@ -1,0 +1,74 @@
+"""W&B export: what reaches wandb is the run folder's metrics, step for step; no wandb installed is a clear error.
+
+A stand-in `wandb` module records the calls (the real package is an optional extra, not installed in CI)."""
+import sys
+import types
+
+import pytest
+
+from gapless.meter.report import read_run
+from gapless.meter.wandb_export import export_wandb
+from test_report import make_run
+
+
+class FakeRun:
+    def __init__(self, **kwargs):
+        self.init = kwargs
+        self.logged: list[tuple[dict, int | None]] = []
+        self.metrics: dict[str, str | None] = {}
+        self.finished = False
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics[name] = step_metric
+
+    def log(self, data, step=None, commit=None):
+        self.logged.append((dict(data), step))
+
+    def finish(self):
+        self.finished = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    module = types.ModuleType("wandb")
+    runs = []
+
+    def init(**kwargs):
+        runs.append(FakeRun(**kwargs))
+        return runs[-1]
+
+    module.init = init
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_export_logs_every_record_at_its_step(tmp_path, fake_wandb):
+    run_dir = make_run(tmp_path / "run", steps=60)
+    out = export_wandb(run_dir)
+    (wb,) = fake_wandb
+    assert out == run_dir / "wandb" and out.is_dir() and wb.finished
+    assert wb.init["mode"] == "offline" and wb.init["name"] == "run" and wb.init["config"]["train"]["steps"] == 60
+    run = read_run(run_dir)
+    by_step = {step: data for data, step in wb.logged if step is not None}
+    steps = [step for _, step in wb.logged if step is not None]
+    assert steps == sorted(set(steps))  # W&B steps must increase
+    for r in run.train:
+        assert by_step[r["step"]]["train/loss"] == r["loss"]
+        assert by_step[r["step"]]["train/tokens_per_s"] == r["tokens_per_s"]
+        assert by_step[r["step"]]["train/mfu"] == r["mfu"]
+    for r in run.eval:
+        assert by_step[r["step"]]["eval/loss"] == r["eval_loss"]
+    last = run.time[-1]
+    assert by_step[last["step"]]["time/compute_s"] == last["seconds"]["compute"]
+    gpu = [data for data, step in wb.logged if step is None]
+    assert len(gpu) == len(run.gpu) and all("gpu/t_s" in g for g in gpu)
+    assert wb.metrics["gpu/*"] == "gpu/t_s"
+
+
+def test_export_errors(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path / "run", steps=20, gpu=False)
+    with pytest.raises(ValueError, match="one of"):
+        export_wandb(run_dir, mode="cloud")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ValueError, match="pip install wandb"):
+        export_wandb(run_dir)
