@@ -4,7 +4,8 @@
 under the same names (so base keys stay HF's) and adds `lora_A`/`lora_B`, so our key
 `model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`.
 The update is PEFT's: y = W x + b + scaling * B A dropout(x), scaling = alpha / r (alpha / sqrt(r)
-with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base.
+with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base. LoraConfig.kernel
+picks how it runs: fused into the base layer's GEMMs (gapless.kernels.lora) or the plain formula.
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from gapless.config import ALL_LINEAR, LoraConfig
+from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
+from gapless.kernels.lora import lora_linear, lora_linear_reference
 from gapless.model.export import save_pretrained  # noqa: F401  (merged export, the step after merge_lora)
 from gapless.model.loading import PICKLE_SUFFIXES
 
@@ -37,7 +38,8 @@ _READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "bia
 class LoraLinear(nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update, with PEFT's parameter names."""
 
-    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float, dtype: torch.dtype):
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float, dtype: torch.dtype, *,
+                 kernel: LoraKernel):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         # the base layer's own Parameters, not copies: same memory, same state-dict keys
@@ -48,6 +50,8 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = scaling
+        # "fused": gapless.kernels.lora.lora_linear; "reference": the plain formula autograd differentiates
+        self.kernel = kernel
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
@@ -56,20 +60,18 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        # Mixed precision: the adapter's weights are stored in their own dtype (float32 by default, the
-        # optimizer's master copy, as PEFT keeps them) but the matmuls run in the activations' dtype, as
-        # under autocast. Casting A and B (r x d: ~0.1 MB) is cheap; casting x to float32 instead would
-        # move 3x the activation bytes per projection (16k tokens x 3072 x 6 B ~ 300 MB) and run the
-        # GEMMs without bf16 tensor cores. With float32 activations (the CPU tests) nothing changes.
-        a = self.lora_A.weight.to(x.dtype)
-        b = self.lora_B.weight.to(x.dtype)
-        update = F.linear(F.linear(self.lora_dropout(x), a), b)
-        return out + update * self.scaling
+        # Dropout in training needs its mask in the backward, which the fused function does not save: that case
+        # takes the reference path (no warning: with dropout on, it is the only exact one; the config's comment
+        # says so). In eval nn.Dropout is the identity, and the kernel is fused.
+        dropping = self.training and isinstance(self.lora_dropout, nn.Dropout)
+        if self.kernel == "fused" and not dropping:
+            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
+                                     dropout=self.lora_dropout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"r={self.lora_A.out_features}, scaling={self.scaling:g}")
+                f"r={self.lora_A.out_features}, scaling={self.scaling:g}, kernel={self.kernel}")
 
 
 def _lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
@@ -92,7 +94,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     assert targets, f"no linear layers named {cfg.target_modules} under model.layers"
     for name in targets:
         _set_submodule(model, name, LoraLinear(model.get_submodule(name), cfg.r, cfg.scaling, cfg.dropout,
-                                               adapter_dtype))
+                                               adapter_dtype, kernel=cfg.kernel))
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith((".lora_A.weight", ".lora_B.weight"))
     model.lora_config = cfg
