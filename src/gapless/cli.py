@@ -181,6 +181,34 @@ def run_report(args) -> int:
 COMMANDS.append(register_report)
 
 
+def register_gap(sub) -> None:
+    p = sub.add_parser("gap", help="measure what each of a config's settings costs against advertised conditions",
+                       description="Start from advertised conditions (full rows of random tokens, packed, no "
+                                   "checkpoints, evaluation or logging, data ready, bfloat16 on a GPU) and switch "
+                                   "on the config's real settings one at a time (lengths and batching, gradient "
+                                   "accumulation, logging, checkpoints, evaluation, data loading, precision), each "
+                                   "in a short measured training window; print the waterfall as a table, write "
+                                   "gap.json, gap.png and gap.html. See gapless/meter/gap.py for what is measured.")
+    p.add_argument("target", metavar="CONFIG_OR_RUN",
+                   help="a YAML config, or a run folder (its config.yaml; its gap.json and report.html are updated)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="measured steps per window, after 1 warm-up step (default 20)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the windows and gap.json go (default RUN/gap for a run folder, else runs/gap)")
+    p.set_defaults(func=run_gap)
+
+
+def run_gap(args) -> int:
+    from gapless.meter.gap import DEFAULT_STEPS, run_gap as gap
+
+    gap(args.target, args.overrides, steps=DEFAULT_STEPS if args.steps is None else args.steps, out=args.out)
+    return 0
+
+
+COMMANDS.append(register_gap)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -13,19 +13,25 @@ The report only reads files; metrics.jsonl stays the source of truth. It reads:
 report.html is one self-contained file: inline CSS, each plot a PNG in a base64 data URI, no script and
 no external resource, so it can be mailed or attached to an issue as is.
 
-gap.json: how far this run's throughput is from what the machine could do, factor by factor.
+gap.json: how far this run's throughput is from another one, factor by factor, as a waterfall.
 
-    {"baseline": {"label": "this run", "tokens_per_s": 8200.0},
-     "steps": [{"factor": "padding", "tokens_per_s": 9900.0, "delta": 1700.0,
-                "fix": "data.batching: packed"},
-               {"factor": "data wait", "tokens_per_s": 10400.0, "delta": 500.0,
-                "fix": "data.num_workers: 8"}]}
+    {"baseline": {"label": "advertised conditions", "tokens_per_s": 10400.0, "note": "full rows, ..."},
+     "steps": [{"factor": "real lengths", "setting": "data.batching: padded", "tokens_per_s": 8300.0,
+                "delta": -2100.0, "fix": "data.batching: packed", "note": "31% of the slots are padding"},
+               {"factor": "gradient accumulation", "skipped": "train.grad_accum is 1, as advertised"},
+               {"factor": "checkpoints", "setting": "checkpoint.every: 500", "tokens_per_s": 8200.0,
+                "delta": -100.0, "fix": "", "note": "amortised: ..."}],
+     "final": {"label": "your run"}}
 
-`baseline.tokens_per_s` is the measured throughput (real tokens/s); each step removes one factor, in
-order: its `tokens_per_s` is the throughput with that and every earlier factor removed, and `delta` is
-the change from the previous value (`tokens_per_s` minus the previous one; negative when removing the
-factor costs throughput). `fix` says what removes it. The last step's `tokens_per_s` is what the
-run could reach. The waterfall draws the baseline, one floating bar per step and that final value.
+`baseline.tokens_per_s` is where the waterfall starts (real tokens/s). Each step changes one factor, in order
+(`gapless gap` switches one of the run's settings on; a hand-written file may instead remove one): its
+`tokens_per_s` is the throughput with that and every earlier step applied, and `delta` is the change from the
+previous value (`tokens_per_s` minus the previous one: negative when the factor costs throughput). `fix` says
+what recovers it ("" when nothing needs recovering). A step with `skipped` (the reason) instead of numbers was
+not measured and draws no bar. The last measured step's `tokens_per_s` is the final bar, labelled
+`final.label` (default "reachable"), so the bars' deltas sum to final minus baseline. `setting` and `note`
+are optional text. `gapless gap` adds "measured": {"steps", "device", "dtype", "noise": how much two windows
+of the baseline's conditions differ (a fraction), "windows": each window's steady seconds by category}.
 """
 from __future__ import annotations
 
@@ -87,16 +93,22 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
 
 
 def read_gap(path: Path) -> dict:
-    """gap.json, checked against the format in the module doc."""
+    """gap.json, checked against the format in the module doc; `final` filled in."""
     try:
         gap = json.loads(path.read_text())
         base = gap["baseline"]
         label, previous = str(base["label"]), float(base["tokens_per_s"])
-        steps = gap["steps"]
+        steps = list(gap["steps"])
+        final = dict(gap.get("final") or {"label": "reachable"})
+        final["label"] = str(final["label"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: expected {{'baseline': {{'label', 'tokens_per_s'}}, 'steps': [...]}} "
                          f"({e!r})") from None
     for i, step in enumerate(steps):
+        if "skipped" in step:
+            if "factor" not in step:
+                raise ValueError(f"{path}: steps[{i}] lacks ['factor']")
+            continue
         missing = {"factor", "tokens_per_s", "delta", "fix"} - set(step)
         if missing:
             raise ValueError(f"{path}: steps[{i}] lacks {sorted(missing)}")
@@ -105,7 +117,8 @@ def read_gap(path: Path) -> dict:
             raise ValueError(f"{path}: steps[{i}] ({step['factor']}): delta {step['delta']} but tokens_per_s "
                              f"goes from {previous} to {step['tokens_per_s']} ({expected:+})")
         previous = step["tokens_per_s"]
-    return {"baseline": {"label": label, "tokens_per_s": float(base["tokens_per_s"])}, "steps": steps}
+    return {**gap, "baseline": {**base, "label": label, "tokens_per_s": float(base["tokens_per_s"])},
+            "steps": steps, "final": final}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,11 +266,13 @@ def plot_time(totals: dict[str, float]) -> bytes:
 
 
 def plot_gap(gap: dict) -> bytes:
-    steps = gap["steps"]
+    """The waterfall: the baseline bar, one floating bar per measured step (its delta) and the final bar."""
+    steps = [s for s in gap["steps"] if "skipped" not in s]
     fig, (ax,) = _figure(height=3.4, width=WIDE)
     base = gap["baseline"]["tokens_per_s"]
     final = steps[-1]["tokens_per_s"] if steps else base
-    labels = [gap["baseline"]["label"]] + [s["factor"] for s in steps] + ["reachable"]
+    labels = ([gap["baseline"]["label"]] + [s["factor"] for s in steps]
+              + [(gap.get("final") or {}).get("label", "reachable")])
     ax.bar(0, base, color=COLORS["base"], width=0.6)
     ax.text(0, base, f"{base:,.0f}", ha="center", va="bottom", fontsize=8)
     previous = base
@@ -270,7 +285,8 @@ def plot_gap(gap: dict) -> bytes:
     n = len(steps) + 1
     ax.plot([n - 1 + 0.3, n - 0.3], [previous, previous], color=COLORS["base"], lw=0.8, ls=":")
     ax.bar(n, final, color=COLORS["train"], width=0.6)
-    ax.text(n, final, f"{final:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.text(n, final, f"{final:,.0f} ({100 * final / base:.0f}%)" if base else f"{final:,.0f}", ha="center",
+            va="bottom", fontsize=8)
     ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=20 if len(labels) > 6 else 0, ha="center")
     ax.set_ylabel("real tokens / s", fontsize=9)
     ax.set_ylim(0, max(base, final, *(s["tokens_per_s"] for s in steps)) * 1.12)
@@ -410,16 +426,7 @@ def render(run: Run) -> str:
     else:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
-    if run.gap:
-        rows = "".join(f'<tr><td>{html.escape(str(s["factor"]))}</td><td class="n">{s["delta"]:+,.0f}</td>'
-                       f'<td class="n">{s["tokens_per_s"]:,.0f}</td><td>{html.escape(str(s["fix"]))}</td></tr>'
-                       for s in run.gap["steps"])
-        gap_html = (_figure_html("Throughput gap, factor by factor", plot_gap(run.gap))
-                    + '<table style="margin-top:10px"><tr><th>factor</th><th>tokens/s gained</th>'
-                    f'<th>tokens/s after</th><th>fix</th></tr>{rows}</table>')
-        gap_html = f"<h2>Throughput gap</h2>{gap_html}"
-    else:
-        gap_html = ""
+    gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap)}" if run.gap else ""
 
     config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
                           for k, v in _config_rows(run.config)) or "<p class='note'>no config.yaml</p>"
@@ -439,6 +446,47 @@ def render(run: Run) -> str:
 {gap_html}
 </main></body></html>
 """
+
+
+def gap_section(gap: dict) -> str:
+    """The waterfall and its table, one row per step (skipped ones with their reason)."""
+    base = gap["baseline"]["tokens_per_s"]
+
+    def esc(value) -> str:
+        return html.escape(str(value))
+
+    rows = [f'<tr><th>{esc(gap["baseline"]["label"])}</th><td></td><td class="n">{base:,.0f}</td><td></td>'
+            f'<td class="n">100%</td><td></td><td>{esc(gap["baseline"].get("note", ""))}</td></tr>']
+    value = base
+    for s in gap["steps"]:
+        if "skipped" in s:
+            rows.append(f'<tr><td>{esc(s["factor"])}</td><td colspan="6">skipped: {esc(s["skipped"])}</td></tr>')
+            continue
+        value = s["tokens_per_s"]
+        rows.append(f'<tr><td>{esc(s["factor"])}</td><td>{esc(s.get("setting", ""))}</td>'
+                    f'<td class="n">{value:,.0f}</td><td class="n">{s["delta"]:+,.0f}</td>'
+                    f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(s["fix"])}</td>'
+                    f'<td>{esc(s.get("note", ""))}</td></tr>')
+    rows.append(f'<tr><th>{esc(gap["final"]["label"])}</th><td></td><th class="n">{value:,.0f}</th>'
+                f'<th class="n">{value - base:+,.0f}</th><th class="n">{100 * value / base:.1f}%</th><td></td>'
+                '<td>the sum of the changes above</td></tr>')
+    noise = (gap.get("measured") or {}).get("noise")  # `gapless gap`: two windows of the baseline's conditions
+    noise_html = ("" if noise is None else f'<p class="sub">noise: two windows of {esc(gap["baseline"]["label"])} '
+                  f'differ by {100 * noise:.1f}%; changes within it are not costs</p>')
+    return (_figure_html("Throughput gap, factor by factor", plot_gap(gap))
+            + '<table style="margin-top:10px"><tr><th>factor</th><th>setting</th><th>tokens/s</th><th>change</th>'
+            f'<th>of {esc(gap["baseline"]["label"])}</th><th>fix</th><th>how measured</th></tr>{"".join(rows)}</table>'
+            + noise_html)
+
+
+def write_gap_page(gap: dict, path: Path) -> Path:
+    """A self-contained page with the gap's waterfall and table (`gapless gap`'s gap.html)."""
+    title = f"gapless gap: {gap['baseline']['label']} to {gap['final']['label']}"
+    path.write_text(f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
+<body><main><h1>{html.escape(title)}</h1>{gap_section(gap)}</main></body></html>
+""", encoding="utf-8")
+    return path
 
 
 def _duration(seconds: float) -> str:
