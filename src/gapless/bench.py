@@ -99,10 +99,12 @@ class Recipe:
     loss: str  # materialised | fused | fused_compiled
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
+    lora_kernel: str = "fused"  # lora.kernel: fused (gapless.kernels.lora) | reference (the plain formula)
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
-        return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else []))
+        return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
+                         + (["reference LoRA"] if self.lora_kernel == "reference" else []))
 
 
 CONFIGS = {
@@ -113,6 +115,8 @@ CONFIGS = {
     "packed_fused_flex": Recipe("packed", "flex", "fused"),
     "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
     "best": Recipe("packed", "varlen", "fused_compiled", compile=True),
+    # best with LoRA as three plain matmuls and an add (before gapless.kernels.lora)
+    "best_lora_reference": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="reference"),
     # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
     "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
@@ -332,7 +336,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
                             batches[opts.warmup + opts.steps:])
 
     model = build_random_model(ctx.args, device, ctx.dtype, recipe.attn)
-    lora = LoraConfig(r=opts.lora_r)
+    lora = LoraConfig(r=opts.lora_r, kernel=recipe.lora_kernel)
     model = apply_lora(model, lora)
     if recipe.checkpoint:
         model = checkpoint_activations(model)
