@@ -99,12 +99,12 @@ class Recipe:
     loss: str  # materialised | fused | fused_compiled
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
-    lora_kernel: str = "fused"  # lora.kernel: fused (gapless.kernels.lora) | reference (the plain formula)
+    lora_kernel: str = "reference"  # lora.kernel: reference (the plain formula) | fused (gapless.kernels.lora)
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
-                         + (["reference LoRA"] if self.lora_kernel == "reference" else []))
+                         + (["fused LoRA"] if self.lora_kernel == "fused" else []))
 
 
 CONFIGS = {
@@ -115,8 +115,9 @@ CONFIGS = {
     "packed_fused_flex": Recipe("packed", "flex", "fused"),
     "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
     "best": Recipe("packed", "varlen", "fused_compiled", compile=True),
-    # best with LoRA as three plain matmuls and an add (before gapless.kernels.lora)
-    "best_lora_reference": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="reference"),
+    # best with LoRA as one autograd.Function adding the update in the GEMM epilogues (gapless.kernels.lora):
+    # slower under torch.compile on the H200 (518.7 vs 501.2 ms, run 20261203T144848Z-9d4119), so not the default
+    "best_lora_fused": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="fused"),
     # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
     "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),

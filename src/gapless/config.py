@@ -22,9 +22,11 @@ import yaml
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# How a LoRA layer runs (gapless.kernels.lora): "fused" adds the low-rank update inside the base layer's GEMMs
-# (one autograd.Function, ~7 GB less memory traffic per Llama-3.2-3B layer and step at 16k tokens); "reference"
-# is the plain formula autograd differentiates. Training with dropout > 0 always takes the reference path.
+# How a LoRA layer runs (gapless.kernels.lora): "reference" is the plain formula autograd differentiates;
+# "fused" adds the low-rank update inside the base layer's GEMMs (one autograd.Function, ~7 GB less memory
+# traffic per Llama-3.2-3B layer and step at 16k tokens in eager). Measured on the H200 with compiled layers
+# (bench/RESULTS.md, run 20261203T144848Z-9d4119), torch.compile does better with the plain formula: 501.2 ms
+# per step against 518.7 fused, so "reference" is the default. Training with dropout > 0 always takes it.
 LoraKernel = Literal["fused", "reference"]
 
 
@@ -36,7 +38,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "fused"
+    kernel: LoraKernel = "reference"
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:
