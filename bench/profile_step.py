@@ -87,6 +87,8 @@ def main() -> int:
     by_kind: dict[str, float] = defaultdict(float)
     kernels: dict[str, float] = defaultdict(float)
     for e in prof.events():
+        if e.name.startswith("## "):  # "## Call CompiledFxGraph ... ##": a range over kernels listed on their own
+            continue
         if e.device_type == torch.autograd.DeviceType.CUDA or (device.type == "cpu" and e.name.startswith("aten::")
                                                                and not e.cpu_children):
             us = e.device_time_total if device.type == "cuda" else e.cpu_time_total
