@@ -72,3 +72,13 @@ def test_export_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ValueError, match="pip install wandb"):
         export_wandb(run_dir)
+
+
+def test_report_cli_exports_to_wandb(tmp_path, fake_wandb):
+    from gapless.cli import main
+
+    run_dir = make_run(tmp_path / "run", steps=20, gpu=False)
+    assert main(["report", str(run_dir), "--wandb", "--wandb-project", "p1"]) == 0
+    (wb,) = fake_wandb
+    assert wb.init["project"] == "p1" and wb.init["mode"] == "offline" and wb.finished
+    assert (run_dir / "report.html").is_file()

@@ -166,15 +166,23 @@ def register_report(sub) -> None:
                                    "RUN/report.html, one self-contained page with the plots embedded.")
     p.add_argument("run", metavar="RUN", help="the run folder (its output_dir)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to RUN/tensorboard")
+    p.add_argument("--wandb", action="store_true",
+                   help="also replay the metrics into a Weights & Biases run (files in RUN/wandb; needs wandb)")
+    p.add_argument("--wandb-project", default="gapless", help="the W&B project (default gapless)")
+    p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"],
+                   help="offline (default): no network; upload later with `wandb sync RUN/wandb/offline-run-*`")
     p.set_defaults(func=run_report)
 
 
 def run_report(args) -> int:
     from gapless.meter.report import write_report, write_tensorboard
+    from gapless.meter.wandb_export import export_wandb
 
     print(f"wrote {write_report(args.run)}")
     if args.tensorboard:
         print(f"wrote {write_tensorboard(args.run)}")
+    if args.wandb:
+        print(f"wrote {export_wandb(args.run, project=args.wandb_project, mode=args.wandb_mode)}")
     return 0
 
 
