@@ -5,7 +5,8 @@
 #                                  beside them, and the flex rung last if time is left (its first compile: ~200 s)
 #   bash bench/run_gpu.sh flex     packed_fused and packed_fused_flex on Llama-3.2-3B (a second call)
 #
-# Needs .carry/ (lengths_shared_mix.txt, hf_peft_bench.py): the GPU machine has no ../shared. Every row goes to
+# Needs .carry/ (lengths_shared_mix.txt, hf_peft_bench.py): the GPU machine has no ../shared. With .whl/liger/ (the
+# liger-kernel wheel: `pip download --no-deps liger-kernel -d .whl/liger`, carried too) HF+PEFT+Liger runs beside. Every row goes to
 # bench/results.jsonl (appended) and bench/RESULTS.md (regenerated), both copied to $OUT with the logs; copy them
 # back over the repository's. RUN_ID=<id> puts a second call's rows into the same run (carry the first call's
 # results.jsonl back into bench/ first, so RESULTS.md shows them all).
@@ -14,6 +15,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PEERS=packed_sdpa
+if compgen -G ".whl/liger/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" && PEERS=packed_sdpa,packed_liger
+fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gapless-bench-out}
 mkdir -p "$OUT"
@@ -46,11 +52,11 @@ M3=bench/models/llama-3.2-3b
 if [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
 else
-  # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s
-  bench 250 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
-  bench 180 --model bench/models/llama-3.2-1b --config best
-  bench 60 --model bench/models/llama-3.1-8b --config best
-  bench 0 --model $M3 --peers --peers-dir .carry --peers-configs packed_sdpa
+  # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s (and Liger ~60 s)
+  bench 310 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
+  bench 240 --model bench/models/llama-3.2-1b --config best
+  bench 120 --model bench/models/llama-3.1-8b --config best
+  bench 0 --model $M3 --peers --peers-dir .carry --peers-configs $PEERS
   if (( $(left 0) > 260 )); then bench 0 --model $M3 --config packed_fused_flex; fi
 fi
 
