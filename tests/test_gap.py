@@ -204,7 +204,7 @@ def test_cli_errors(tmp_path, config, capsys):
                           (["gap", str(tmp_path)], "no config.yaml in this folder"),
                           (["gap", str(config["path"]), "--steps", "1"], "a window needs at least 2 measured steps"),
                           (["gap", str(config["path"]), "model.path=/nowhere", "--out", str(tmp_path / "o")],
-                           "config.json not found"),
+                           "/nowhere: not a folder"),
                           (["gap", str(config["path"]), f"data.sources.0.path={empty}", "--out", str(tmp_path / "o")],
                            "no training documents")]:
         assert main(argv) == 2

@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from gapless.config import RunConfig, load_config
+from gapless.model.loading import read_model_args
 
 DEFAULT_STEPS = 20  # measured steps per window (plus 1 warm-up step); 1-2 s a window for the demo model on a CPU
 NOISE = 0.01  # a factor costing less than this share of the advertised throughput (or the measured noise) gets no fix
@@ -165,16 +166,6 @@ def full_rows(rows: int, max_seq_len: int, vocab_size: int, seed: int = 0):
     return Mixture([ds], [rows], ["synthetic full rows"])
 
 
-def vocab_size(model_path: str) -> int:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        raise ValueError(f"model.path: {config} not found; give the folder of an HF checkpoint")
-    size = json.loads(config.read_text()).get("vocab_size")
-    if not isinstance(size, int):
-        raise ValueError(f"{config}: no integer vocab_size")
-    return size
-
-
 class Runner:
     """Runs the windows of one gap measurement into OUT/windows/NN-name and reports each on `log`."""
 
@@ -256,7 +247,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     device = resolve_device(user.model.device)
     last = steps + 1  # steps 1..last run after the warm-up step's end (step 1 is the warm-up itself)
 
-    vocab = vocab_size(user.model.path)
+    vocab = read_model_args(user.model.path).vocab_size  # the checkpoint's config.json, checked: fail fast
     mix, eval_mix, summary = build_data(d, Path(d.tokenizer or user.model.path))  # the user's, first: fail fast
     if not len(mix):
         raise ValueError("data: no training documents after reading and filtering; see `gapless data CONFIG`")
