@@ -280,7 +280,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
                           "peak_tflops": peak_flops / 1e12, "elapsed_s": now - t_start}
                 write_metrics(metrics, record)
                 result.losses[step] = loss
-                progress.update(step, loss, tok_s, lr)
+                progress.update(step, loss, tok_s, lr, record["mfu"])
                 window_loss.zero_()
                 window_tokens = window_real = window_slots = 0
                 window_flops = 0.0

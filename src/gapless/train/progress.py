@@ -25,8 +25,8 @@ class Progress:
         self.start = time.perf_counter()
         self.start_step: int | None = None
 
-    def update(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
-        """`step` optimizer steps are done."""
+    def update(self, step: int, loss: float, tokens_per_s: float, lr: float, mfu: float | None = None) -> None:
+        """`step` optimizer steps are done; tokens_per_s counts real tokens; mfu is a fraction of the peak."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -37,7 +37,7 @@ class Progress:
             rate = (step - self.start_step) / max(now - self.start, 1e-9)
             eta = format_duration((self.total - step) / rate) if rate > 0 else "?"
         text = (f"step {step}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{tokens_per_s:,.0f} tok/s  ETA {eta}")
+                f"{tokens_per_s:,.0f} tok/s" + (f"  MFU {100 * mfu:.0f}%" if mfu is not None else "") + f"  ETA {eta}")
         if self.tty:
             width = 24
             filled = int(width * step / max(self.total, 1))
