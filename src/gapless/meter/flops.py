@@ -122,7 +122,14 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     790 TFLOP/s in bf16 (shared/peers/README.md); its datasheet's 989 is not reached by any real matmul."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    n = 8192 if cuda else 512
+    if cuda:
+        with torch.cuda.device(device):  # the events below record on the current device's stream
+            return _matmul_rate(device, dtype, 8192)
+    return _matmul_rate(device, dtype, 512)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    cuda = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(1)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)  # random, not zeros: zeros run faster
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
