@@ -9,7 +9,7 @@ and 1e-2 relative (‖out − ref‖ / ‖ref‖), so the bound is 1e-2 for the 
 import pytest
 import torch
 
-from gapless.kernels.attention import FlexAttention, get_attention, sdpa_reference
+from gapless.kernels.attention import FlexAttention, get_attention, op_attention, sdpa_reference, varlen_attention_op
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,8 +56,9 @@ def test_fa4_unavailable_names_varlen():
     try:
         import flash_attn.cute  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match="'varlen'"):
-            get_attention("fa4")
+        for name in ("fa4", "fa4_op"):
+            with pytest.raises(RuntimeError, match=f"'{name}' needs flash-attn-4.*'varlen'"):
+                get_attention(name)
     else:
         pytest.skip("flash-attn-4 is installed here")
 
@@ -124,7 +125,7 @@ def _fwd_bwd(fn, q, k, v, g, **kw):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("window,scale", [(None, None), (64, None), (None, 0.05)])
-@pytest.mark.parametrize("name", ["varlen", "flex", "fa4"])
+@pytest.mark.parametrize("name", ["varlen", "flex", "fa4", "fa4_op"])
 def test_backend_matches_reference_cuda_bf16(name, window, scale):
     fn = _backend_or_skip(name)
     rows = [[1, 700, 37, 129, 300, 2], [1024, 5, 900]]  # 2 rows of T=2048, Llama head dim, GQA 4:1
@@ -139,3 +140,81 @@ def test_backend_matches_reference_cuda_bf16(name, window, scale):
     for name_, a, b, tol in zip(("out", "dq", "dk", "dv"), got, ref, (1e-2, 2e-2, 2e-2, 2e-2)):
         assert a.dtype == torch.bfloat16 and torch.isfinite(a).all(), name_
         assert rel(a, b) < tol, (name_, rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen kernels as torch custom ops: the plumbing (fake shapes, autograd, no graph break), tested with a
+# float32 reference kernel pair written as flash-attention's forward (out, lse) and backward (from lse)
+
+
+def _doc_scores(q, k, s, e, scale, window_left):
+    """Scaled, masked scores of one document: [Hq, L, L], and K/V's head expansion factor."""
+    g = q.shape[1] // k.shape[1]
+    qs = q[s:e].transpose(0, 1)  # [Hq, L, D]
+    ks = k[s:e].repeat_interleave(g, dim=1).transpose(0, 1)
+    i = torch.arange(e - s)
+    allowed = i[None, :] <= i[:, None]
+    if window_left >= 0:
+        allowed = allowed & (i[:, None] - i[None, :] <= window_left)
+    return (qs @ ks.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf")), qs, ks, g
+
+
+def reference_forward(q, k, v, cu, max_seqlen, scale, window_left):
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        S, _, _, g = _doc_scores(q, k, s, e, scale, window_left)
+        lse[:, s:e] = torch.logsumexp(S, dim=-1)
+        vs = v[s:e].repeat_interleave(g, dim=1).transpose(0, 1)
+        out[s:e] = (torch.exp(S - lse[:, s:e, None]) @ vs).transpose(0, 1)
+    return out, lse
+
+
+def reference_backward(dout, q, k, v, out, lse, cu, max_seqlen, scale, window_left):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        S, qs, ks, g = _doc_scores(q, k, s, e, scale, window_left)
+        vs = v[s:e].repeat_interleave(g, dim=1).transpose(0, 1)
+        P = torch.exp(S - lse[:, s:e, None])  # [Hq, L, L]
+        do, o = dout[s:e].transpose(0, 1), out[s:e].transpose(0, 1)
+        dS = P * (do @ vs.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
+        L, Hkv, D = e - s, k.shape[1], k.shape[2]
+        dq[s:e] = (dS @ ks * scale).transpose(0, 1)
+        dk[s:e] = (dS.transpose(1, 2) @ qs * scale).view(Hkv, g, L, D).sum(1).transpose(0, 1)
+        dv[s:e] = (P.transpose(1, 2) @ do).view(Hkv, g, L, D).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("window,scale", [(None, None), (3, None), (None, 0.3)])
+def test_varlen_op_matches_reference_forward_and_backward(window, scale):
+    fn = op_attention("ref_op", varlen_attention_op("test_reference", reference_forward, reference_backward))
+    q, k, v, cu, m = packed([[5, 11], [16]], 16, 4, 2, 8)
+    g = torch.randn_like(q)
+    kw = dict(cu_seqlens=cu, max_seqlen=m, sliding_window=window, scale=scale)
+    got, ref = _fwd_bwd(fn, q, k, v, g, **kw), _fwd_bwd(sdpa_reference, q, k, v, g, **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_varlen_op_compiles_as_one_graph():
+    """fullgraph=True fails on any graph break: the op is one node with its fake shapes, forward and backward,
+    and dynamic shapes carry a new document layout without a recompile."""
+    from torch._dynamo.utils import counters
+
+    fn = op_attention("ref_op", varlen_attention_op("test_reference", reference_forward, reference_backward))
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]  # counters are process-wide: other tests compile too
+    compiled = torch.compile(lambda q, k, v, cu, m: fn(q, k, v, cu_seqlens=cu, max_seqlen=m), fullgraph=True,
+                             dynamic=True)
+    # sizes chosen unequal (cu 5 then 7 entries, longest 11 then 9; 6 query heads, 2 KV heads, head dim 8):
+    # dynamo's duck sizing would guard on a coincidental equality and recompile when it breaks
+    for rows in ([[5, 11], [10, 6]], [[2, 3, 9, 2], [7, 9]]):
+        q, k, v, cu, m = packed(rows, 16, 6, 2, 8, seed=len(rows[0]))
+        g = torch.randn_like(q)
+        got = _fwd_bwd(lambda *a, **kw: compiled(*a, kw["cu_seqlens"], kw["max_seqlen"]), q, k, v, g,
+                       cu_seqlens=cu, max_seqlen=m)
+        ref = _fwd_bwd(sdpa_reference, q, k, v, g, cu_seqlens=cu, max_seqlen=m)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    assert counters["stats"]["unique_graphs"] - graphs == 1

@@ -390,7 +390,8 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
     # attention backend, chosen explicitly, never silently: sdpa (plain PyTorch, runs anywhere),
-    # varlen (torch varlen_attn), flex (FlexAttention), fa4 (flash-attn-4); see gapless.kernels.attention
+    # varlen (torch varlen_attn), flex (FlexAttention), fa4 (flash-attn-4), fa4_op (flash-attn-4 as torch
+    # custom ops: no graph break in compiled layers); see gapless.kernels.attention
     attn_backend: str = "sdpa"
     # torch.compile each decoder layer and the loss's per-chunk step (GPU fast path; the first step compiles)
     compile: bool = False

@@ -19,7 +19,12 @@ The GPU backends (CUDA, bf16/fp16 only; each refuses anything else with an error
 - "flex": FlexAttention (torch.compile'd Triton kernels) with a document-causal block mask built from
   cu_seqlens; the mask is built once per batch (cached on the cu_seqlens tensor) and shared by all layers.
 - "fa4": flash-attn-4 (flash_attn.cute, CuTe DSL SM90 kernels) varlen; 2.5 ms per layer, 455 TFLOP/s on
-  the same shapes (peers/README.md), 12.5 s of JIT compile on the first call.
+  the same shapes (peers/README.md), 12.5 s of JIT compile on the first call. Dynamo cannot trace its Python,
+  so inside a compiled layer the call is a graph break: 481 ms per Llama-3.2-3B step against 502 with
+  "varlen" (bench/RESULTS.md), where the attention kernels alone would save ~36 ms.
+- "fa4_op": the same kernels behind torch custom ops (`varlen_attention_op`): dynamo sees one opaque node
+  with a shape-only fake implementation, so each compiled layer stays one graph. Tested on the CPU with a
+  reference forward/backward through the same op plumbing (fullgraph compile); not yet measured on the GPU.
 Packed rows are flattened [B, T, H, D] -> [B*T, H, D]; cu_seqlens already indexes that flat axis.
 
 Not registered: "cudnn". SDPA's cuDNN backend takes dense [B, H, T, D] rows, so packed documents would need
@@ -99,7 +104,8 @@ def get_attention(name: str) -> AttentionFn:
 
 
 def _backends() -> dict[str, Callable[[], AttentionFn]]:
-    return {"sdpa": lambda: sdpa_reference, "varlen": _varlen_backend, "flex": FlexAttention, "fa4": _fa4_backend}
+    return {"sdpa": lambda: sdpa_reference, "varlen": _varlen_backend, "flex": FlexAttention, "fa4": _fa4_backend,
+            "fa4_op": _fa4_op_backend}
 
 
 def _segments(q: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None, attention_mask: Tensor | None,
@@ -174,13 +180,17 @@ def _varlen_backend() -> AttentionFn:
     return varlen
 
 
+def _fa4_missing(name: str, e: Exception) -> RuntimeError:
+    return RuntimeError(f"attention backend {name!r} needs flash-attn-4 (flash_attn.cute with nvidia-cutlass-dsl), "
+                        f"which is not importable here ({e}); install it (shared/peers/README.md says how) or "
+                        "choose 'varlen'")
+
+
 def _fa4_backend() -> AttentionFn:
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except ImportError as e:
-        raise RuntimeError(f"attention backend 'fa4' needs flash-attn-4 (flash_attn.cute with nvidia-cutlass-dsl), "
-                           f"which is not importable here ({e}); install it (shared/peers/README.md says how) or "
-                           "choose 'varlen'") from e
+        raise _fa4_missing("fa4", e) from e
 
     # the CuTe DSL kernels JIT-compile through their own Python: dynamo must not trace into them, so inside a
     # compiled decoder layer the attention call is a graph break (the layer compiles as two graphs)
@@ -281,3 +291,110 @@ class FlexAttention:
         qf, kf, vf = (x.reshape(1, B * T, x.shape[2], D).transpose(1, 2) for x in (q, k, v))
         out = self._flex(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
         return out.transpose(1, 2).reshape(B, T, Hq, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen attention kernels as torch custom ops (no graph break inside torch.compile)
+
+
+VarlenForward = Callable[[Tensor, Tensor, Tensor, Tensor, int, float, int], tuple[Tensor, Tensor]]
+VarlenBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
+_OPS: dict[str, Callable] = {}  # op name -> registered forward op: torch's op registry is process-wide
+
+
+def varlen_attention_op(name: str, forward: VarlenForward, backward: VarlenBackward) -> Callable:
+    """Register a varlen causal attention kernel pair as torch custom ops `gapless::{name}_fwd`/`_bwd` with
+    autograd; returns the forward op (calling it again with the same name returns the registered one).
+
+        forward(q, k, v, cu_seqlens, max_seqlen, scale, window_left) -> (out, lse)
+        backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window_left) -> (dq, dk, dv)
+
+    q [N, Hq, D], k/v [N, Hkv, D] (N = B*T flattened, GQA), cu_seqlens int32 [docs + 1], max_seqlen a host int,
+    scale the softmax scale, window_left -1 (plain causal) or the keys a query sees to its left (sliding window);
+    out [N, Hq, D], lse [Hq, N] float32 (log-sum-exp of each query's scaled scores; flash-attention's layout).
+    The fakes below give torch.compile the shapes without running the kernel.
+    """
+    op_name = f"gapless::{name}_fwd"
+    if op_name in _OPS:
+        return _OPS[op_name]
+
+    @torch.library.custom_op(op_name, mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float,
+            window_left: int) -> tuple[Tensor, Tensor]:
+        return forward(q, k, v, cu_seqlens, max_seqlen, scale, window_left)
+
+    @fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, scale, window_left):
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.custom_op(f"gapless::{name}_bwd", mutates_args=())
+    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+            max_seqlen: int, scale: float, window_left: int) -> tuple[Tensor, Tensor, Tensor]:
+        return backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window_left)
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window_left):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, scale, window_left = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.scale, ctx.window_left = max_seqlen, scale, window_left
+
+    def backward_rule(ctx, dout, dlse):
+        # lse is an output for the backward kernel only; a loss never depends on it, so dlse is unused
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale,
+                         ctx.window_left)
+        return dq, dk, dv, None, None, None, None
+
+    fwd.register_autograd(backward_rule, setup_context=setup_context)
+    _OPS[op_name] = fwd
+    return fwd
+
+
+def _fa4_op_backend() -> AttentionFn:
+    try:  # flash-attn-4's own forward and backward entry points (what its FlashAttnVarlenFunc calls)
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    except ImportError as e:
+        raise _fa4_missing("fa4_op", e) from e
+
+    def window(window_left: int) -> tuple[int | None, int | None]:
+        return (None, None) if window_left < 0 else (window_left, 0)
+
+    def forward(q, k, v, cu, max_seqlen, scale, window_left):
+        left, right = window(window_left)
+        out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+                                   max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
+                                   window_size_left=left, window_size_right=right, return_lse=True)[:2]
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, cu, max_seqlen, scale, window_left):
+        left, right = window(window_left)
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0, window_size_left=left,
+                                     window_size_right=right, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
+        return dq, dk, dv
+
+    return op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
+
+
+def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> AttentionFn:
+    """The backend signature over a registered varlen op (see varlen_attention_op). `cuda_fallback`: the op runs
+    CUDA half tensors only; anything else is refused with an error naming that backend."""
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
+                  max_seqlen: int | None = None, attention_mask: Tensor | None = None,
+                  sliding_window: int | None = None, scale: float | None = None) -> Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, name)
+        if cuda_fallback is not None:
+            _check_cuda_half(name, cuda_fallback, q, k, v)
+        _check_window(sliding_window)
+        out, _ = op(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), cu, max_len,
+                    D ** -0.5 if scale is None else scale, -1 if sliding_window is None else sliding_window - 1)
+        return out.view(B, T, Hq, D)
+
+    return attention
