@@ -7,6 +7,8 @@ import pytest
 
 from gapless import demo_task
 from gapless.config import load_config
+from gapless.data.batching import BatchSampler
+from gapless.data.tokenize import build_data
 from gapless.demo import write_base_model
 from gapless.meter.flops import step_flops
 from gapless.model.loading import read_model_args
@@ -58,7 +60,9 @@ def test_padding_is_never_counted_as_real_tokens(base):
         assert real == expected == result.real_tokens, batching
         for r in records:
             assert r["padding_fraction"] == pytest.approx(1 - r["real_tokens"] / r["slot_tokens"])
-            assert r["compute_tokens_per_s"] >= r["tokens_per_s"] > 0
+            assert r["tokens_per_s"] > 0
+            if r["step"] > 1:  # step 1 alone (log_every 1) is the warm-up: no compute time of its own
+                assert r["compute_tokens_per_s"] >= r["tokens_per_s"]
         totals[batching] = slots
     assert expected < min(totals.values()) and max(totals, key=totals.get) == "pad_to_max"
     assert totals["pad_to_max"] == 64 * len(base["records"])  # one 64-slot row per document
@@ -80,11 +84,26 @@ def test_run_tokens_per_s_agrees_with_an_outside_clock(base):
 
 
 def test_mfu_is_the_flops_formula_over_the_real_documents(base):
-    """One log window over the whole epoch: mfu * peak * seconds = step_flops over every document's length."""
-    result = train(one_epoch(base, "mfu", **{"train.log_every": 1000}))
+    """One log window over the whole epoch: its rates count the steps after the first (which compiles), so
+    tflops / tokens_per_s = step_flops over those steps' documents / their real tokens."""
+    cfg = one_epoch(base, "mfu", **{"train.log_every": 1000})
+    result = train(cfg)
     (record,) = training_records(result.run_dir / "metrics.jsonl")
-    seconds = record["real_tokens"] / record["tokens_per_s"]
-    flops = step_flops(read_model_args(base["model"]), tokens_in_data(base), "lora", 4)
-    assert record["mfu"] * record["peak_tflops"] * 1e12 * seconds == pytest.approx(flops, rel=1e-9)
-    assert record["tflops"] == pytest.approx(flops / seconds / 1e12, rel=1e-9)
+    mix, _, _ = build_data(cfg.data, base["model"])
+    timed = list(BatchSampler.from_config(cfg.data, mix).epoch_batches(0))[1:]
+    lengths = [n for b in timed for n in b.doc_lengths]
+    flops = step_flops(read_model_args(base["model"]), lengths, "lora", 4)
+    assert record["real_tokens"] == sum(tokens_in_data(base)) > sum(lengths)
+    assert record["tflops"] * 1e12 / record["tokens_per_s"] == pytest.approx(flops / sum(lengths), rel=1e-9)
+    assert record["mfu"] == pytest.approx(record["tflops"] / record["peak_tflops"], rel=1e-9)
     assert 0 < record["mfu"] < 1
+
+
+def test_first_window_rates_leave_out_the_warm_up_step(base):
+    """log_every 2: the first record's tokens/s counts step 2 over its time. Counting step 1's tokens too (over
+    step 2's time) would double it against the later windows of two steady steps each."""
+    result = train(one_epoch(base, "warm", **{"train.log_every": 2, "train.steps": 14}))
+    rates = [r["tokens_per_s"] for r in training_records(result.run_dir / "metrics.jsonl")]
+    assert len(rates) == 7
+    later = sorted(rates[1:])[3]  # the median of the six later windows (a shared CPU is noisy)
+    assert 0.6 * later < rates[0] < 1.5 * later, rates

@@ -14,7 +14,8 @@ Tokens are counted three ways, all host integers from the data pipeline (never a
 real tokens (documents' tokens, never padding), trained tokens (loss-bearing) and slot tokens (B * T
 of every batch, padding included). Throughput is always real tokens: per logged window over its wall
 time (`tokens_per_s`) and over its compute time (`compute_tokens_per_s`), and for the whole run in the
-last record ({"kind": "run"}: real tokens / wall time from the start of `train` to its end).
+last record (the final time record: real tokens / wall time from the start of `train` to its end). A
+window's rates leave out the run's first step (it compiles; startup), except in a window of that step alone.
 MFU per window: gapless.meter.flops.step_flops over the real document lengths / window wall time /
 the dense matmul peak measured at startup on this device in the model's dtype (formula in flops.py).
 """
@@ -222,7 +223,10 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
     window_loss = torch.zeros((), dtype=torch.float32, device=device)
     window_tokens = window_real = window_slots = 0
     window_flops = 0.0
-    t_window = time.perf_counter()
+    # throughput counts the window's steps after the warm-up step (which compiles) over their time; a window
+    # holding only the warm-up step reports that step over its own time, compile included
+    timed_real, timed_flops = 0, 0.0
+    t_window = t_timed = time.perf_counter()
     compute_mark = 0.0  # the timeline's compute seconds at the start of the window
     steps_this_run = 0
     t_steady = None
@@ -247,46 +251,52 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            if warmup:
-                timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
-                t_steady = time.perf_counter()
-                steady_mark = timeline.summary()
-                t_window, compute_mark = t_steady, steady_mark["compute"]
-            else:
-                result.steady_tokens += sum(b.num_real_tokens for b in micro)
             step += 1
             steps_this_run += 1
-            window_tokens += n_step
             real = sum(b.num_real_tokens for b in micro)
+            flops = sum(step_flops(model.args, b.doc_lengths, cfg.method, cfg.lora.r, cfg.lora.target_modules)
+                        for b in micro)
+            window_tokens += n_step
             window_real += real
-            result.real_tokens += real
             window_slots += sum(b.num_slots for b in micro)
-            window_flops += sum(step_flops(model.args, b.doc_lengths, cfg.method, cfg.lora.r, cfg.lora.target_modules)
-                                for b in micro)
+            window_flops += flops
+            result.real_tokens += real
+            if warmup:
+                timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
+                t_steady = t_timed = time.perf_counter()
+                steady_mark = timeline.summary()
+                compute_mark = steady_mark["compute"]
+            else:
+                result.steady_tokens += real
+                timed_real += real
+                timed_flops += flops
 
             if step % cfg.train.log_every == 0 or step == steps_total:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
                 loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
                 now = time.perf_counter()
-                seconds = max(now - t_window, 1e-9)
-                compute_s = timeline.summary()["compute"]
-                tok_s = window_real / seconds
+                if timed_real:
+                    tokens, flops, seconds = timed_real, timed_flops, max(now - t_timed, 1e-9)
+                else:  # the warm-up step alone
+                    tokens, flops, seconds = window_real, window_flops, max(now - t_window, 1e-9)
+                compute_s = timeline.summary()["compute"] - compute_mark
+                tok_s = tokens / seconds
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                           "real_tokens": window_real, "trained_tokens": window_tokens, "slot_tokens": window_slots,
                           "padding_fraction": 1 - window_real / max(window_slots, 1), "tokens_per_s": tok_s,
-                          "compute_tokens_per_s": window_real / max(compute_s - compute_mark, 1e-9),
-                          "mfu": window_flops / seconds / peak_flops, "tflops": window_flops / seconds / 1e12,
+                          "compute_tokens_per_s": timed_real / compute_s if timed_real and compute_s > 0 else None,
+                          "mfu": flops / seconds / peak_flops, "tflops": flops / seconds / 1e12,
                           "peak_tflops": peak_flops / 1e12, "elapsed_s": now - t_start}
                 write_metrics(metrics, record)
                 result.losses[step] = loss
                 progress.update(step, loss, tok_s, lr, record["mfu"])
                 window_loss.zero_()
-                window_tokens = window_real = window_slots = 0
-                window_flops = 0.0
+                window_tokens = window_real = window_slots = timed_real = 0
+                window_flops = timed_flops = 0.0
                 write_metrics(metrics, timeline.record(step))
                 timeline.end("logging")
-                t_window = time.perf_counter()
+                t_window = t_timed = time.perf_counter()
                 compute_mark = timeline.summary()["compute"]
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
