@@ -130,17 +130,20 @@ def throughput(run: Run) -> dict:
 
     steady: real tokens over the time of the logged windows, each window's time being
     real_tokens / tokens_per_s (the windows tile the training from the first step to the last log,
-    checkpoints and evaluations inside them included). end_to_end: real tokens over the wall time
-    (startup included) when time records exist.
+    checkpoints and evaluations inside them included; a window's rate leaves out the run's compiling first
+    step, and a window of that step alone, compute_tokens_per_s null, is left out). end_to_end: real tokens
+    over the wall time (startup included) when time records exist.
     """
     real = sum(r.get("real_tokens", 0) for r in run.train)
     trained = sum(r.get("trained_tokens", 0) for r in run.train)
-    seconds = sum(r["real_tokens"] / r["tokens_per_s"] for r in run.train
-                  if r.get("tokens_per_s") and r.get("real_tokens"))
+    steady = [r for r in run.train if r.get("tokens_per_s") and r.get("real_tokens")
+              and not ("compute_tokens_per_s" in r and r["compute_tokens_per_s"] is None)]
+    seconds = sum(r["real_tokens"] / r["tokens_per_s"] for r in steady)
+    steady_real = sum(r["real_tokens"] for r in steady)
     totals = session_totals(run.time)
-    out = {"real_tokens": real, "trained_tokens": trained, "steady": real / seconds if seconds else None,
+    out = {"real_tokens": real, "trained_tokens": trained, "steady": steady_real / seconds if seconds else None,
            "end_to_end": real / totals["wall"] if totals and totals["wall"] > 0 else None}
-    mfus = [r["mfu"] for r in run.train if r.get("mfu") is not None]
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     out["mfu"] = sum(mfus) / len(mfus) if mfus else None
     return out
 
