@@ -159,10 +159,10 @@ def checkpoint_steps(run: Run) -> list[int]:
 
 def findings(run: Run) -> list[Finding]:
     step_times = {r["step"]: r["elapsed_s"] for r in run.train if "elapsed_s" in r}
-    return diagnose(_joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
+    return diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
 
 
-def _joined_sessions(samples: list[dict]) -> list[dict]:
+def joined_sessions(samples: list[dict]) -> list[dict]:
     """GPU samples on one time axis: a resumed run's samples restart at t=0; shift each session to follow the last."""
     out, offset, last = [], 0.0, None
     for s in samples:
@@ -414,7 +414,7 @@ def render(run: Run) -> str:
              _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
              _figure_html("Throughput (real tokens/s)",
                           plot_tokens_per_s(run, numbers["steady"]) if run.train else None, "no training records yet"),
-             _figure_html("GPU utilisation and memory", plot_gpu(_joined_sessions(run.gpu)) if run.gpu else None,
+             _figure_html("GPU utilisation and memory", plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
                           "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
 
     if totals:
@@ -531,7 +531,7 @@ def write_tensorboard(run_dir: str | Path) -> Path:
         for r in run.time:
             for c, v in r["seconds"].items():
                 writer.add_scalar(f"time/{c}_s", v, r["step"])
-        for s in _joined_sessions(run.gpu):  # x: milliseconds of run time
+        for s in joined_sessions(run.gpu):  # x: milliseconds of run time
             for key in ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c"):
                 if s.get(key) is not None:
                     writer.add_scalar(f"gpu/{key}", s[key], int(s["t"] * 1000))

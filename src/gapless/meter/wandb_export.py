@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gapless.meter.report import _joined_sessions, read_run
+from gapless.meter.report import joined_sessions, read_run
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "compute_tokens_per_s", "mfu", "padding_fraction")
 GPU_KEYS = ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c")
@@ -46,7 +46,7 @@ def export_wandb(run_dir: str | Path, project: str = "gapless", mode: str = "off
             events.setdefault(r["step"], {}).update({f"time/{c}_s": v for c, v in r["seconds"].items()})
         for step in sorted(events):
             wb.log(events[step], step=step)
-        for s in _joined_sessions(run.gpu):
+        for s in joined_sessions(run.gpu):
             wb.log({"gpu/t_s": s["t"], **{f"gpu/{k}": s[k] for k in GPU_KEYS if s.get(k) is not None}},
                    commit=True)
     finally:
