@@ -73,7 +73,7 @@ def main() -> int:
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = build_optimizer(params, OptimConfig(), device.type)
-    loss_fn = loss_function(recipe.loss)
+    loss_fn = loss_function(recipe.loss, recipe.loss_chunk)
     for b, _ in batches[:opts.warmup]:
         train_step(model, b, loss_fn, params, optimizer)
     sync()

@@ -100,11 +100,13 @@ class Recipe:
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
     lora_kernel: str = "reference"  # lora.kernel: reference (the plain formula) | fused (gapless.kernels.lora)
+    loss_chunk: int = 4096  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 bytes
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
-                         + (["fused LoRA"] if self.lora_kernel == "fused" else []))
+                         + (["fused LoRA"] if self.lora_kernel == "fused" else [])
+                         + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != 4096 else []))
 
 
 CONFIGS = {
@@ -118,6 +120,9 @@ CONFIGS = {
     # best with LoRA as one autograd.Function adding the update in the GEMM epilogues (gapless.kernels.lora):
     # slower under torch.compile on the H200 (518.7 vs 501.2 ms, run 20261203T144848Z-9d4119), so not the default
     "best_lora_fused": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="fused"),
+    # half the loss chunk: its transient (3.1 GiB at 4096 tokens for Llama 3's vocab) sits on top of every saved
+    # activation at the end of the forward, where the step peaks; to measure against 48.2 GiB
+    "best_loss_chunk2048": Recipe("packed", "varlen", "fused_compiled", compile=True, loss_chunk=2048),
     # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
     "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
@@ -169,11 +174,11 @@ def loss_materialised(model: CausalLM, batch: Batch) -> torch.Tensor:
                            reduction="sum")
 
 
-def loss_function(kind: str) -> Callable[[CausalLM, Batch], torch.Tensor]:
+def loss_function(kind: str, chunk_size: int = 4096) -> Callable[[CausalLM, Batch], torch.Tensor]:
     from gapless.train.loop import batch_loss_sum
 
-    return {"materialised": loss_materialised, "fused": batch_loss_sum,
-            "fused_compiled": functools.partial(batch_loss_sum, compiled=True)}[kind]
+    return {"materialised": loss_materialised, "fused": functools.partial(batch_loss_sum, chunk_size=chunk_size),
+            "fused_compiled": functools.partial(batch_loss_sum, compiled=True, chunk_size=chunk_size)}[kind]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +353,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, OptimConfig(grad_clip=GRAD_CLIP), device.type)
-    loss_fn = loss_function(recipe.loss)
+    loss_fn = loss_function(recipe.loss, recipe.loss_chunk)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 

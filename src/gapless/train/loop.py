@@ -32,7 +32,7 @@ import yaml
 
 from gapless.config import RunConfig, to_dict
 from gapless.data.batching import Batch
-from gapless.kernels.loss import linear_cross_entropy
+from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import write_report
@@ -45,13 +45,15 @@ from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 
 
-def batch_loss_sum(model, batch: Batch, compiled: bool = False) -> torch.Tensor:
+def batch_loss_sum(model, batch: Batch, compiled: bool = False,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's trained tokens; full logits never exist.
-    `compiled`: the loss's per-chunk softmax/gradient step through torch.compile (GPU fast path)."""
+    `compiled`: the loss's per-chunk softmax/gradient step through torch.compile (GPU fast path);
+    `chunk_size`: tokens per chunk of the loss (its transient memory: gapless.kernels.loss)."""
     hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens,
                                  batch.attention_mask, batch.max_seqlen)  # [B, T, D]
     return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten(),
-                                compiled=compiled)
+                                chunk_size=chunk_size, compiled=compiled)
 
 
 def resolve_device(name: str, setting: str = "model.device") -> torch.device:
