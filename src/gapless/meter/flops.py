@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -87,7 +88,10 @@ def causal_pairs(length: int, window: int | None = None) -> int:
 def attention_flops(args: ModelArgs, doc_lengths: Sequence[int]) -> float:
     """Forward + backward FLOPs of causal attention over the documents, all layers (3.5x the forward)."""
     per_pair = 2 * 2 * args.head_dim * args.num_attention_heads  # two matmuls, 2 * d each, every query head
-    forward = sum(per_pair * causal_pairs(int(L), w) for w in args.sliding_window for L in doc_lengths)
+    # layers that share a window share the sum: one pass over the documents per distinct window (the loop
+    # calls this every step; Llama's 28 layers all have window None)
+    forward = sum(n_layers * per_pair * sum(causal_pairs(int(L), w) for L in doc_lengths)
+                  for w, n_layers in Counter(args.sliding_window).items())
     return 3.5 * forward
 
 
