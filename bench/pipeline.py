@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from gapless.bench import append_row, build_random_model, device_name
+from gapless.bench import GRAD_CLIP, append_row, build_random_model, device_name, loss_function, train_step
 from gapless.config import load_config
 from gapless.data.batching import BatchSampler
 from gapless.data.tokenize import build_data
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import load_model, model_args_from_config, read_config
 from gapless.train.compile import compile_layers
-from gapless.train.loop import apply_method, batch_loss_sum, train, trainable_state
-from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from gapless.train.loop import apply_method, train, trainable_state
+from gapless.train.optim import build_optimizer, build_scheduler
 
 
 # --smoke: the same flow on the CPU in a minute (float32, sdpa, no compile, small batches and intervals), to test
@@ -90,13 +90,12 @@ def pure_steps(cfg, steps: int) -> tuple[int, float]:
     optimizer = build_optimizer(params, cfg.optim, device.type)
     scheduler = build_scheduler(optimizer, cfg.schedule, steps)
 
+    loss_fn = loss_function("fused_compiled" if cfg.model.compile else "fused")
+    assert cfg.optim.grad_clip == GRAD_CLIP, "train_step clips at bench's GRAD_CLIP"
+
     def step(b):
-        loss = batch_loss_sum(model, b, compiled=cfg.model.compile)
-        (loss / max(b.num_target_tokens, 1)).backward()
-        clip_grad_norm(params, cfg.optim.grad_clip)
-        optimizer.step()
+        train_step(model, b, loss_fn, params, optimizer)  # the bench's step: forward, backward, clip, AdamW
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
     step(batches[0])  # compiles
     if not cuda:

@@ -162,6 +162,10 @@ def findings(run: Run) -> list[Finding]:
     return diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
 
 
+# the GPU sample fields the exporters (TensorBoard here, W&B in wandb_export.py) write as scalars
+GPU_KEYS = ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c")
+
+
 def joined_sessions(samples: list[dict]) -> list[dict]:
     """GPU samples on one time axis: a resumed run's samples restart at t=0; shift each session to follow the last."""
     out, offset, last = [], 0.0, None
@@ -532,7 +536,7 @@ def write_tensorboard(run_dir: str | Path) -> Path:
             for c, v in r["seconds"].items():
                 writer.add_scalar(f"time/{c}_s", v, r["step"])
         for s in joined_sessions(run.gpu):  # x: milliseconds of run time
-            for key in ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c"):
+            for key in GPU_KEYS:
                 if s.get(key) is not None:
                     writer.add_scalar(f"gpu/{key}", s[key], int(s["t"] * 1000))
     finally:

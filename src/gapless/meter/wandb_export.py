@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gapless.meter.report import joined_sessions, read_run
+from gapless.meter.report import GPU_KEYS, joined_sessions, read_run
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "compute_tokens_per_s", "mfu", "padding_fraction")
-GPU_KEYS = ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c")
 MODES = ("offline", "online")
 
 
