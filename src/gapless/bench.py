@@ -128,6 +128,7 @@ CONFIGS = {
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
     # flash-attn-4 behind torch custom ops: the compiled layer keeps one graph (kernels/attention.py, fa4_op)
     "packed_fused_compile_fa4op": Recipe("packed", "fa4_op", "fused_compiled", compile=True),
+    "fa4op_chunk2048": Recipe("packed", "fa4_op", "fused_compiled", compile=True, loss_chunk=2048),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
