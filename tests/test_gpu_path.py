@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 6
 
 
-def run(tmp_path, name, model_overrides):
+def run(tmp_path, name, model_overrides, lora_kernel="reference"):
     base = tmp_path / "base"
     if not base.exists():
         write_base_model(base, seed=0)
@@ -28,7 +28,7 @@ def run(tmp_path, name, model_overrides):
         "model": {"path": str(base), **model_overrides},
         "data": {"sources": [{"path": str(tmp_path / "train.jsonl")}], "max_seq_len": 64, "tokens_per_batch": 512,
                  "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
-        "lora": {"r": 8, "alpha": 16},
+        "lora": {"r": 8, "alpha": 16, "kernel": lora_kernel},
         "optim": {"lr": 1e-3},
         "train": {"steps": STEPS, "log_every": 1, "seed": 0},
         "output_dir": str(tmp_path / name), "progress": False,
@@ -36,12 +36,15 @@ def run(tmp_path, name, model_overrides):
     return train(cfg).losses
 
 
-@pytest.mark.parametrize("attn,compile", [("varlen", False), ("varlen", True), ("flex", False), ("fa4_op", True)])
-def test_fast_path_losses_match_the_cpu_reference(tmp_path, attn, compile):
+@pytest.mark.parametrize("attn,compile,lora_kernel", [
+    ("varlen", False, "reference"), ("varlen", True, "reference"), ("varlen", True, "grouped"),
+    ("flex", False, "reference"), ("fa4_op", True, "reference"), ("fa4_op", True, "grouped")])
+def test_fast_path_losses_match_the_cpu_reference(tmp_path, attn, compile, lora_kernel):
     if attn.startswith("fa4"):
         pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
     ref = run(tmp_path, "cpu", {"device": "cpu", "dtype": "float32", "attn_backend": "sdpa"})
-    fast = run(tmp_path, "gpu", {"device": "cuda", "dtype": "bfloat16", "attn_backend": attn, "compile": compile})
+    fast = run(tmp_path, "gpu", {"device": "cuda", "dtype": "bfloat16", "attn_backend": attn, "compile": compile},
+               lora_kernel)
     assert sorted(fast) == sorted(ref) == list(range(1, STEPS + 1))
     assert fast[1] == pytest.approx(ref[1], rel=2e-3), (fast, ref)
     for step in ref:

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import gapless
-from gapless.config import LoraConfig, RunConfig, from_dict
-from gapless.kernels.lora import lora_linear, lora_linear_reference
+import gapless.model.lora
+from gapless.config import ALL_LINEAR, LoraConfig, RunConfig, from_dict
+from gapless.kernels.lora import lora_linear, lora_linear_grouped, lora_linear_reference
 from gapless.model.lora import LoraLinear, apply_lora
 from gapless.train.compile import compile_layers
 
@@ -124,6 +125,34 @@ def test_lora_linear_kernels_agree_on_a_tiny_model(hf_checkpoint):
     assert_same_training_step(fused, reference)
 
 
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "o_proj", "up_proj"]])
+def test_grouped_kernel_agrees_on_a_tiny_model(hf_checkpoint, monkeypatch, targets):
+    """kernel "grouped": the reference's loss and gradients, with one A matmul per group of layers that read the
+    same input: q/k/v and gate/up on every layer (2 groups), or q/v alone when k and gate carry no LoRA."""
+    _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
+    models = {}
+    for kernel in ("grouped", "reference"):
+        models[kernel] = model = gapless.load_model(folder)
+        apply_lora(model, LoraConfig(r=4, alpha=8, kernel=kernel, target_modules=targets or list(ALL_LINEAR)))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sizes = []
+    real = gapless.model.lora.lora_linear_grouped
+    monkeypatch.setattr(gapless.model.lora, "lora_linear_grouped",
+                        lambda x, *args: sizes.append(len(args[0])) or real(x, *args))
+    loss, grads = loss_and_grads(models["grouped"])
+    ref_loss, ref_grads = loss_and_grads(models["reference"])
+    layers = len(models["grouped"].model.layers)
+    assert sizes == ([3, 2] if targets is None else [2]) * layers
+    assert_close(loss, ref_loss, **TOL)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(targets or ALL_LINEAR) * layers
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
 def set_kernel(model, kernel: str) -> None:
     for m in model.modules():
         if isinstance(m, LoraLinear):
@@ -147,8 +176,24 @@ def test_dropout_trains_on_the_reference_path_and_evaluates_fused(hf_checkpoint)
     assert not torch.allclose(outs["fused"], fused_eval)  # ... and they do drop
 
 
+@torch.no_grad()
+def test_grouped_with_dropout_draws_a_mask_per_layer(hf_checkpoint):
+    """In training each LoRA layer drops its own elements of x (as PEFT's do), so the grouped kernel runs the
+    layers one by one: the same masks as the reference path; in eval it groups and equals it to rounding."""
+    _, folder = hf_checkpoint("llama")
+    model = tiny_lora_model(folder, "grouped", dropout=0.1)
+    ids = torch.arange(20).view(2, 10)
+    outs = {}
+    for kernel in ("reference", "grouped"):
+        set_kernel(model, kernel)
+        torch.manual_seed(0)
+        outs[kernel] = model.train()(ids), model.eval()(ids)
+    assert torch.equal(outs["grouped"][0], outs["reference"][0])
+    assert_close(outs["grouped"][1], outs["reference"][1], **TOL)
+
+
 def test_kernel_is_validated():
-    with pytest.raises(ValueError, match=r"lora.kernel: 'triton' is not one of \['fused', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"lora.kernel: 'triton' is not one of \['fused', 'grouped', 'reference'\]"):
         LoraConfig(kernel="triton").validate()
     with pytest.raises(ValueError, match=r"config.lora.kernel: 'triton' is not one of"):
         from_dict(RunConfig, {"model": {"path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},
@@ -207,3 +252,36 @@ def test_cuda_bf16_matches_fp32_reference(compiled, bias):
     for name, g, r in zip(("out", "dx", "dA", "dB"), got, want):
         assert torch.isfinite(g).all(), name
         assert rel(g, r) < 1e-2, (name, rel(g, r))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_bf16_grouped_matches_fp32_reference(compiled):
+    """Llama-3.2-3B's q/k/v shapes (3072 -> 3072, 1024, 1024) over 2 x 1000 tokens, r = 16, bf16 against
+    the per-layer reference in float32; same 1e-2 bound as above."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1000, 3072, generator=g)
+    outs = (3072, 1024, 1024)
+    ws = [torch.randn(o, 3072, generator=g) / 3072**0.5 for o in outs]
+    bs = [torch.randn(o, generator=g) for o in outs]
+    a_s = [torch.randn(16, 3072, generator=g) / 3072**0.5 for _ in outs]
+    b_s = [torch.randn(o, 16, generator=g) / 4 for o in outs]
+    dys = [torch.randn(2, 1000, o, generator=g) for o in outs]
+
+    def step(fn, dtype):
+        xx = x.to("cuda", dtype).requires_grad_()
+        aa = [a.cuda().requires_grad_() for a in a_s]
+        bb = [b.cuda().requires_grad_() for b in b_s]
+        ys = fn(xx, [w.to("cuda", dtype) for w in ws], [b.to("cuda", dtype) for b in bs], aa, bb, [SCALING] * 3)
+        torch.autograd.backward(ys, [dy.to("cuda", dtype) for dy in dys])
+        return [*ys, xx.grad, *(a.grad for a in aa), *(b.grad for b in bb)]
+
+    def per_layer(x, ws, bs, aa, bb, scalings):
+        return [lora_linear_reference(x, *args) for args in zip(ws, bs, aa, bb, scalings)]
+
+    got = step(torch.compile(lora_linear_grouped) if compiled else lora_linear_grouped, torch.bfloat16)
+    want = step(per_layer, torch.float32)
+    for i, (g_, w_) in enumerate(zip(got, want)):
+        assert torch.isfinite(g_).all(), i
+        assert rel(g_, w_) < 1e-2, (i, rel(g_, w_))

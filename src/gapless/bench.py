@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict
 from gapless.data.batching import IGNORE, Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
-from gapless.kernels.loss import linear_cross_entropy
+from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
@@ -100,13 +100,13 @@ class Recipe:
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
     lora_kernel: str = "reference"  # lora.kernel: reference (the plain formula) | fused (gapless.kernels.lora)
-    loss_chunk: int = 4096  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 bytes
+    loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
-                         + (["fused LoRA"] if self.lora_kernel == "fused" else [])
-                         + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != 4096 else []))
+                         + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
+                         + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else []))
 
 
 CONFIGS = {
@@ -120,15 +120,16 @@ CONFIGS = {
     # best with LoRA as one autograd.Function adding the update in the GEMM epilogues (gapless.kernels.lora):
     # slower under torch.compile on the H200 (518.7 vs 501.2 ms, run 20261203T144848Z-9d4119), so not the default
     "best_lora_fused": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="fused"),
-    # half the loss chunk: its transient (3.1 GiB at 4096 tokens for Llama 3's vocab) sits on top of every saved
-    # activation at the end of the forward, where the step peaks; to measure against 48.2 GiB
-    "best_loss_chunk2048": Recipe("packed", "varlen", "fused_compiled", compile=True, loss_chunk=2048),
+    # the loss chunk before it was halved (kernels/loss.py): 1.4 GiB more at the step's peak, the same speed
+    "best_loss_chunk4096": Recipe("packed", "varlen", "fused_compiled", compile=True, loss_chunk=4096),
     # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
     "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
     # flash-attn-4 behind torch custom ops: the compiled layer keeps one graph (kernels/attention.py, fa4_op)
     "packed_fused_compile_fa4op": Recipe("packed", "fa4_op", "fused_compiled", compile=True),
-    "fa4op_chunk2048": Recipe("packed", "fa4_op", "fused_compiled", compile=True, loss_chunk=2048),
+    # the A matmuls of q/k/v and of gate/up as one each (LoraConfig.kernel "grouped")
+    "best_grouped": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped"),
+    "fa4op_grouped": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="grouped"),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
@@ -175,7 +176,7 @@ def loss_materialised(model: CausalLM, batch: Batch) -> torch.Tensor:
                            reduction="sum")
 
 
-def loss_function(kind: str, chunk_size: int = 4096) -> Callable[[CausalLM, Batch], torch.Tensor]:
+def loss_function(kind: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[CausalLM, Batch], torch.Tensor]:
     from gapless.train.loop import batch_loss_sum
 
     return {"materialised": loss_materialised, "fused": functools.partial(batch_loss_sum, chunk_size=chunk_size),

@@ -27,7 +27,9 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # traffic per Llama-3.2-3B layer and step at 16k tokens in eager). Measured on the H200 with compiled layers
 # (bench/RESULTS.md, run 20261203T144848Z-9d4119), torch.compile does better with the plain formula: 501.2 ms
 # per step against 518.7 fused, so "reference" is the default. Training with dropout > 0 always takes it.
-LoraKernel = Literal["fused", "reference"]
+# "grouped" is the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up),
+# so each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
+LoraKernel = Literal["fused", "grouped", "reference"]
 
 
 @dataclass

@@ -177,6 +177,15 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> Te
 # the decoder
 
 
+def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
+    """Each layer applied to the same x (q/k/v; gate/up). Layers with a `group_forward` (LoRA: one matmul for all
+    their A matrices, gapless.model.lora) take the group at once; plain nn.Linear layers are called one by one."""
+    group_forward = getattr(layers[0], "group_forward", None)
+    if group_forward is not None:
+        return group_forward(x, layers)
+    return [layer(x) for layer in layers]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -207,9 +216,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
                 max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hq, hd]
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hkv, hd]
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, -1, self.head_dim)  # [B, T, Hq, hd]
+        k = k.view(B, T, -1, self.head_dim)  # [B, T, Hkv, hd]
+        v = v.view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -226,7 +236,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -5,12 +5,14 @@ under the same names (so base keys stay HF's) and adds `lora_A`/`lora_B`, so our
 `model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`.
 The update is PEFT's: y = W x + b + scaling * B A dropout(x), scaling = alpha / r (alpha / sqrt(r)
 with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base. LoraConfig.kernel
-picks how it runs: fused into the base layer's GEMMs (gapless.kernels.lora) or the plain formula.
+picks how it runs: fused into the base layer's GEMMs (gapless.kernels.lora), the plain formula, or the plain
+formula with one A matmul for the layers that read the same input (q/k/v, gate/up: LoraLinear.group_forward).
 """
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
-from gapless.kernels.lora import lora_linear, lora_linear_reference
+from gapless.kernels.lora import lora_linear, lora_linear_grouped, lora_linear_reference
 from gapless.model.export import save_pretrained  # noqa: F401  (merged export, the step after merge_lora)
 from gapless.model.loading import PICKLE_SUFFIXES
 
@@ -50,7 +52,8 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = scaling
-        # "fused": gapless.kernels.lora.lora_linear; "reference": the plain formula autograd differentiates
+        # "fused": gapless.kernels.lora.lora_linear; "reference": the plain formula autograd differentiates;
+        # "grouped": the plain formula, with the A matmuls of layers reading the same input as one (group_forward)
         self.kernel = kernel
         self.reset_lora_parameters()
 
@@ -68,6 +71,20 @@ class LoraLinear(nn.Module):
             return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
+
+    @staticmethod
+    def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
+        """The layers applied to the same x (the decoder's `project`): LoRA layers of kernel "grouped" share one
+        matmul for their A matrices (gapless.kernels.lora.lora_linear_grouped); any other layer runs alone. A
+        layer with dropout in training runs alone too: each draws its own dropout mask on x, as PEFT's do."""
+        grouped = [layer for layer in layers if isinstance(layer, LoraLinear) and layer.kernel == "grouped"
+                   and not (layer.training and isinstance(layer.lora_dropout, nn.Dropout))]
+        if len(grouped) < 2:
+            return [layer(x) for layer in layers]
+        outs = dict(zip(map(id, grouped), lora_linear_grouped(
+            x, [g.weight for g in grouped], [g.bias for g in grouped], [g.lora_A.weight for g in grouped],
+            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped])))
+        return [outs[id(layer)] if id(layer) in outs else layer(x) for layer in layers]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
