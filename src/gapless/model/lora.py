@@ -77,14 +77,17 @@ class LoraLinear(nn.Module):
         """The layers applied to the same x (the decoder's `project`): LoRA layers of kernel "grouped" share one
         matmul for their A matrices (gapless.kernels.lora.lora_linear_grouped); any other layer runs alone. A
         layer with dropout in training runs alone too: each draws its own dropout mask on x, as PEFT's do."""
-        grouped = [layer for layer in layers if isinstance(layer, LoraLinear) and layer.kernel == "grouped"
-                   and not (layer.training and isinstance(layer.lora_dropout, nn.Dropout))]
+        # no id() or dicts of modules: under torch.compile they would make every decoder layer's graph its own
+        # (guards on each module's identity) and past dynamo's recompile limit (8) the other layers run eager
+        joins = [isinstance(layer, LoraLinear) and layer.kernel == "grouped"
+                 and not (layer.training and isinstance(layer.lora_dropout, nn.Dropout)) for layer in layers]
+        grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
-        outs = dict(zip(map(id, grouped), lora_linear_grouped(
+        outs = iter(lora_linear_grouped(
             x, [g.weight for g in grouped], [g.bias for g in grouped], [g.lora_A.weight for g in grouped],
-            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped])))
-        return [outs[id(layer)] if id(layer) in outs else layer(x) for layer in layers]
+            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped]))
+        return [next(outs) if join else layer(x) for layer, join in zip(layers, joins)]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
