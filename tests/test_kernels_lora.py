@@ -285,3 +285,23 @@ def test_cuda_bf16_grouped_matches_fp32_reference(compiled):
     for i, (g_, w_) in enumerate(zip(got, want)):
         assert torch.isfinite(g_).all(), i
         assert rel(g_, w_) < 1e-2, (i, rel(g_, w_))
+
+
+def test_grouped_layers_share_one_compiled_graph():
+    """compile_layers over 4 decoder layers with grouped LoRA compiles no more graphs than with the reference
+    kernel (one per layer signature: layer 0's input needs no gradient, the others' do). A group_forward that
+    keyed modules by id() compiled one graph per layer, and past dynamo's recompile limit (8) the H200's 28-layer
+    model ran 20 layers eager (27,970 instead of 34,716 tok/s, bench/RESULTS.md)."""
+    from torch._dynamo.utils import counters
+
+    from gapless.model.decoder import CausalLM, ModelArgs
+    args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    graphs = {}
+    for kernel in ("reference", "grouped"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4, kernel=kernel)))
+        model(torch.randint(0, 64, (1, 10))).sum().backward()
+        graphs[kernel] = counters["stats"]["unique_graphs"]
+    assert graphs["grouped"] == graphs["reference"] <= 2, graphs

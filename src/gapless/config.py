@@ -22,13 +22,16 @@ import yaml
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# How a LoRA layer runs (gapless.kernels.lora): "reference" is the plain formula autograd differentiates;
-# "fused" adds the low-rank update inside the base layer's GEMMs (one autograd.Function, ~7 GB less memory
-# traffic per Llama-3.2-3B layer and step at 16k tokens in eager). Measured on the H200 with compiled layers
-# (bench/RESULTS.md, run 20261203T144848Z-9d4119), torch.compile does better with the plain formula: 501.2 ms
-# per step against 518.7 fused, so "reference" is the default. Training with dropout > 0 always takes it.
-# "grouped" is the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up),
-# so each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
+# How a LoRA layer runs (gapless.kernels.lora, bench/RESULTS.md), each measured on the H200 in a compiled
+# Llama-3.2-3B step at 16,384 tokens:
+#   "grouped"    the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up):
+#                each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
+#                479.9 ms per step against 497.3 for "reference" (varlen attention), 449.7 against 471.9 with
+#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default.
+#   "reference"  the plain formula autograd differentiates, one layer at a time.
+#   "fused"      the update added inside the base layer's GEMMs (one autograd.Function): 518.7 ms against 501.2
+#                for "reference" (run 20261203T144848Z-9d4119); torch.compile cannot fuse through it.
+# Training with dropout > 0 runs each layer on the plain formula: every layer draws its own mask, as PEFT's do.
 LoraKernel = Literal["fused", "grouped", "reference"]
 
 
@@ -40,7 +43,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "reference"
+    kernel: LoraKernel = "grouped"
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:

@@ -1,4 +1,7 @@
-"""LoRA's linear layer as one autograd.Function: the low-rank update goes into the GEMMs' epilogues.
+"""LoRA's linear layer in three forms (LoraConfig.kernel picks one; gapless.config says what each measured):
+lora_linear_reference, the plain formula; lora_linear_grouped, the plain formula for layers that read the same
+input with their A matrices as one matmul (the default); and lora_linear, one autograd.Function whose low-rank
+update goes into the GEMMs' epilogues, which the rest of this docstring is about.
 
     y = x W^T + b + scaling * (x A^T) B^T        x [N, in], W [out, in], A [r, in], B [out, r]
 
@@ -16,7 +19,8 @@ about 2 ms at the H200's ~4 TB/s achievable bandwidth: ~50 ms of a ~490 ms step 
 for eager; torch.compile already fuses the reference's scale and add into one pointwise kernel, so less is
 left to win there; bench/lora_gpu.py measures both). Measured in a whole compiled Llama-3.2-3B step on the
 H200 it lost: 518.7 ms against 501.2 with the reference (bench/RESULTS.md, run 20261203T144848Z-9d4119), so
-LoraConfig.kernel defaults to "reference"; this path stays an option (its eager speed is not measured yet).
+LoraConfig.kernel defaults to "grouped" (lora_linear_grouped, below); this path stays an option (its eager
+speed is not measured yet).
 
 How: out = x W^T (+ b) is one GEMM; addmm(out, x A^T, B^T, alpha=scaling, out=out) adds the rank-r update in
 the epilogue of a second, K = r GEMM that reads and writes `out` in place (cuBLAS's beta * C term). The
