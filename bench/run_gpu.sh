@@ -54,6 +54,8 @@ if [[ $MODE == flex ]]; then
 else
   # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s (and Liger ~60 s)
   bench 310 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
+  # flash-attn-4 where it is importable (its wheels on PYTHONPATH, shared/peers/README.md): the fastest measured
+  if "$PY" -c "import flash_attn.cute" 2>/dev/null; then bench 310 --model $M3 --config best_fa4; fi
   bench 240 --model bench/models/llama-3.2-1b --config best
   bench 120 --model bench/models/llama-3.1-8b --config best
   bench 0 --model $M3 --peers --peers-dir .carry --peers-configs $PEERS

@@ -85,7 +85,7 @@ from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
-from gapless.train.compile import compile_layers
+from gapless.train.compile import compile_layers, frames_not_compiled
 from gapless.train.loop import resolve_device
 
 MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -350,6 +350,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
         model = checkpoint_activations(model)
     if recipe.compile:
         model = compile_layers(model)
+    frames_failed_before = frames_not_compiled()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, OptimConfig(grad_clip=GRAD_CLIP), device.type)
@@ -403,6 +404,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
                                             "targets": list(lora.target_modules)},
         real_tokens=real, slots=slots, tflops=_sig(flops / seconds / 1e12), peak_tflops=_sig(ctx.peak_flops / 1e12),
         warmup_s=round(warmup_s, 2), new_graphs_timed=new_graphs,
+        frames_not_compiled=frames_not_compiled() - frames_failed_before,
         allocated_before_gib=None if allocated_before is None else round(allocated_before, 2),
         loss=round(final_loss, 4) if math.isfinite(final_loss) else str(final_loss))
     return row
@@ -618,6 +620,8 @@ def markdown_table(rows: list[dict]) -> str:
                 note += f"; {r[key]}"
         if r.get("new_graphs_timed"):
             note += f"; {r['new_graphs_timed']} graphs compiled while timed"
+        if r.get("frames_not_compiled"):
+            note += f"; torch.compile gave up on {r['frames_not_compiled']} frames (eager)"
         lines.append(f"| {r['system']} | {r['model']} | {r['config']} | {_num(r['real_tok_s'], ',.0f')} | "
                      f"{_num(r['peak_gib'], '.1f')} | {_num(r['mfu'], '.3f')} | "
                      f"{_num(r['padding_fraction'], '.3f')} | {_num(r['step_ms'], '.0f')} | {split} | "

@@ -65,6 +65,7 @@ class Run:
     time: list[dict] = field(default_factory=list)
     gpu: list[dict] = field(default_factory=list)
     gap: dict | None = None
+    compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
 
 
 def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
@@ -80,6 +81,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
     for r in [*load_samples(metrics), *pending]:  # JSON lines, a torn last line left out
         if r.get("kind") == "time":
             run.time.append(r)
+        elif r.get("kind") == "compile":
+            run.compile.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
         elif "loss" in r:
@@ -159,7 +162,15 @@ def checkpoint_steps(run: Run) -> list[int]:
 
 def findings(run: Run) -> list[Finding]:
     step_times = {r["step"]: r["elapsed_s"] for r in run.train if "elapsed_s" in r}
-    return diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
+    found = diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
+    if run.compile:
+        frames = sum(r.get("frames_not_compiled", 0) for r in run.compile)
+        found.append(Finding(
+            "compiled layers partly eager", f"torch.compile gave up on {frames} frame(s) in the first step, which "
+            "then ran eager (metrics.jsonl, kind compile)",
+            "rerun a few steps with TORCH_LOGS=recompiles,graph_breaks to see why; a recompile limit hit means "
+            "code guarding on something per layer"))
+    return found
 
 
 # the GPU sample fields the exporters (TensorBoard here, W&B in wandb_export.py) write as scalars
@@ -410,7 +421,7 @@ def render(run: Run) -> str:
                                f'<div class="f">fix: {html.escape(f.fix)}</div></div>' for f in found)
     else:
         finding_html = (f'<div class="finding ok"><b>no findings</b><div class="e">none of the rules (input-bound, '
-                        f'I/O-bound, throttling, under-used GPU) fired.</div></div>')
+                        f'I/O-bound, throttling, under-used GPU, eager compiled layers) fired.</div></div>')
     if monitor_note:
         finding_html += f'<p class="note">{html.escape(monitor_note.strip())}</p>'
 

@@ -21,3 +21,22 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
     return model
+
+
+def frames_not_compiled() -> int:
+    """Frames torch.compile has given up on in this process (dynamo's counters): each runs eager from then on.
+
+    The usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8): code that guards on
+    something that differs per layer (a module's id(), a per-layer Python attribute) compiles one graph per
+    layer, and past the limit the remaining layers run eager, silently but for one log line. Measured on the
+    H200: 20 of Llama-3.2-3B's 28 layers eager cost 23% of the step (bench/RESULTS.md, run s3-grouped).
+    """
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return int(frames["total"] - frames["ok"])
+
+
+def not_compiled_message(count: int) -> str:
+    return (f"torch.compile gave up on {count} frame(s), which run eager (a recompile limit or an error it fell "
+            "back from): the compiled layers are partly eager. TORCH_LOGS=recompiles,graph_breaks shows why.")

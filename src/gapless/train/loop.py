@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import write_report
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.train.ckpt_activations import checkpoint_activations
-from gapless.train.compile import compile_layers
+from gapless.train.compile import compile_layers, frames_not_compiled, not_compiled_message
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gapless.train.prefetch import Prefetcher
@@ -184,6 +185,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
         model = checkpoint_activations(model, every=cfg.model.activation_checkpointing)
     if cfg.model.compile:
         model = compile_layers(model)
+    frames_failed_before = frames_not_compiled()
     model.train()
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
@@ -265,6 +267,11 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
             result.real_tokens += real
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
+                failed = frames_not_compiled() - frames_failed_before
+                if cfg.model.compile and failed:  # the startup eval graphs and the first step's are all compiled
+                    warnings.warn(not_compiled_message(failed), stacklevel=1)
+                    write_metrics(metrics, {"kind": "compile", "step": step, "frames_not_compiled": failed,
+                                            "message": not_compiled_message(failed)})
                 t_steady = t_timed = time.perf_counter()
                 steady_mark = timeline.summary()
                 compute_mark = steady_mark["compute"]
