@@ -52,7 +52,7 @@ def main() -> int:
     p.add_argument("--lengths", required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lora-kernel", default=None, help="lora.kernel to use, when the config has that field")
+    p.add_argument("--lora-kernel", default=None, help="lora.kernel (default: the config's)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (float32)")
     opts = p.parse_args()
@@ -66,7 +66,7 @@ def main() -> int:
     sampler = BatchSampler(mix, strategy=recipe.batching, max_seq_len=4096, tokens_per_batch=16384, seed=0)
     batches = take_batches(sampler, opts.warmup + opts.steps, device)
     model = build_random_model(args, device, dtype, recipe.attn)
-    lora = LoraConfig(r=16) if opts.lora_kernel is None else LoraConfig(r=16, kernel=opts.lora_kernel)
+    lora = LoraConfig(r=16, kernel=opts.lora_kernel or recipe.lora_kernel)
     model = apply_lora(model, lora)
     if recipe.compile:
         model = compile_layers(model)
