@@ -3,6 +3,7 @@ the activation-checkpointing and layer-compile transforms, and the HF+PEFT peer 
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -109,6 +110,9 @@ def test_ladder_order_and_recipes():
     assert CONFIGS["packed"].attn == "varlen" and CONFIGS["packed"].loss == "materialised"
     assert CONFIGS["packed_fused"].loss == "fused" and CONFIGS["packed_fused_flex"].attn == "flex"
     assert CONFIGS["best"].compile and CONFIGS["best"].loss == "fused_compiled"
+    # each rung adds one thing to the one before: best adds grouped LoRA to packed_fused_compile
+    assert CONFIGS["best"] == replace(CONFIGS["packed_fused_compile"], lora_kernel="grouped")
+    assert CONFIGS["best_fa4"] == replace(CONFIGS["best"], attn="fa4_op")
 
 
 def test_update_results_md_creates_and_replaces_only_its_section(tmp_path):

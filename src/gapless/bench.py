@@ -38,8 +38,9 @@ The ladder (`--ladder`, in this order; each rung is one named configuration):
   packed_fused          + the fused, chunked linear cross-entropy (no [tokens, vocab] logits)
   packed_fused_flex     + FlexAttention instead of varlen (2.48 vs 2.81 ms/layer, but ~200 s of first compile)
   packed_fused_compile  + torch.compile of each decoder layer and of the loss's per-chunk step (varlen)
-  best                  the fastest recipe gapless has: packed_fused_compile measured again, which also shows
-                        the run-to-run spread
+  best                  + LoRA's A matmuls grouped for q/k/v and for gate/up (lora.kernel "grouped", the
+                        trainer's default; the rungs above run PEFT's per-layer formula)
+Not in the ladder, as it needs flash-attn-4: best_fa4, best with fa4_op attention, the fastest measured.
 Anywhere, the CPU included: packed_sdpa and packed_sdpa_fused (packed with the sdpa reference attention).
 
 Compiled layers must not recompile per batch: cu_seqlens changes length with the number of documents and
@@ -99,13 +100,15 @@ class Recipe:
     loss: str  # materialised | fused | fused_compiled
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
-    lora_kernel: str = LoraConfig.kernel  # lora.kernel (gapless.config.LoraKernel)
+    # lora.kernel (gapless.config.LoraKernel): the rungs before `best` run PEFT's per-layer formula, `best` adds the
+    # grouping (the trainer's default), so the ladder shows what each step is worth
+    lora_kernel: str = "reference"
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
-                         + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != LoraConfig.kernel else [])
+                         + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else []))
 
 
@@ -116,18 +119,18 @@ CONFIGS = {
     "packed_fused": Recipe("packed", "varlen", "fused"),
     "packed_fused_flex": Recipe("packed", "flex", "fused"),
     "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
-    "best": Recipe("packed", "varlen", "fused_compiled", compile=True),
-    # best with the other LoRA kernels (gapless.config.LoraKernel says what each measured)
-    "best_lora_reference": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="reference"),
+    "best": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped"),
+    # packed_fused_compile with LoRA as one autograd.Function (gapless.config.LoraKernel says what it measured)
     "best_lora_fused": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="fused"),
     # the loss chunk before it was halved (kernels/loss.py): 1.4 GiB more at the step's peak, the same speed
-    "best_loss_chunk4096": Recipe("packed", "varlen", "fused_compiled", compile=True, loss_chunk=4096),
+    "best_loss_chunk4096": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped",
+                                  loss_chunk=4096),
     # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
     "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
     "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
     # best with flash-attn-4 behind torch custom ops, so the compiled layer keeps one graph (kernels/attention.py,
     # fa4_op): the fastest measured (36,436 tok/s for Llama-3.2-3B on the H200, run s3-grouped2)
-    "best_fa4": Recipe("packed", "fa4_op", "fused_compiled", compile=True),
+    "best_fa4": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="grouped"),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
