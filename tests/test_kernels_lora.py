@@ -125,10 +125,10 @@ def test_lora_linear_kernels_agree_on_a_tiny_model(hf_checkpoint):
     assert_same_training_step(fused, reference)
 
 
-@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "o_proj", "up_proj"]])
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "o_proj", "up_proj"], ["k_proj", "v_proj"]])
 def test_grouped_kernel_agrees_on_a_tiny_model(hf_checkpoint, monkeypatch, targets):
     """kernel "grouped": the reference's loss and gradients, with one A matmul per group of layers that read the
-    same input: q/k/v and gate/up on every layer (2 groups), or q/v alone when k and gate carry no LoRA."""
+    same input: q/k/v and gate/up on every layer (2 groups), or q/v (k/v) alone when the others carry no LoRA."""
     _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
     models = {}
     for kernel in ("grouped", "reference"):

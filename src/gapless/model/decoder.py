@@ -180,7 +180,7 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> Te
 def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
     """Each layer applied to the same x (q/k/v; gate/up). Layers with a `group_forward` (LoRA: one matmul for all
     their A matrices, gapless.model.lora) take the group at once; plain nn.Linear layers are called one by one."""
-    group_forward = getattr(layers[0], "group_forward", None)
+    group_forward = next((layer.group_forward for layer in layers if hasattr(layer, "group_forward")), None)
     if group_forward is not None:
         return group_forward(x, layers)
     return [layer(x) for layer in layers]
