@@ -1,5 +1,5 @@
 """torch.compile giving up on frames is seen, not silent: the counter, the loop's warning and metrics record, the
-report's finding. On the H200 a per-layer guard put 20 of 28 compiled layers on eager and cost 23% of the step
+report's finding. On the H200 a per-layer guard put 20 of 28 compiled layers on eager and made the step 24% longer
 (bench/RESULTS.md, run s3-grouped) with nothing in the run's output but one log line of dynamo's."""
 import json
 

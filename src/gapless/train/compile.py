@@ -29,7 +29,7 @@ def frames_not_compiled() -> int:
     The usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8): code that guards on
     something that differs per layer (a module's id(), a per-layer Python attribute) compiles one graph per
     layer, and past the limit the remaining layers run eager, silently but for one log line. Measured on the
-    H200: 20 of Llama-3.2-3B's 28 layers eager cost 23% of the step (bench/RESULTS.md, run s3-grouped).
+    H200: 20 of Llama-3.2-3B's 28 layers eager made the step 24% longer (586 vs 472 ms; bench/RESULTS.md, s3-grouped).
     """
     from torch._dynamo.utils import counters
 
