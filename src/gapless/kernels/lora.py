@@ -57,7 +57,8 @@ def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a
 
 
 def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
-                        lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[Tensor]:
+                        lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
+                        scalings: Sequence[float]) -> list[Tensor]:
     """lora_linear_reference for layers that read the same x (q/k/v; gate/up), their A matrices as one matmul.
 
     x [A_q; A_k; A_v]^T is one [N, r_q + r_k + r_v] GEMM, split into each layer's x A^T; autograd then gives dx
