@@ -121,6 +121,8 @@ MISTAKES = [
     (["data.sources.0.path=' '"], ["config.data.sources[0].path", "empty"]),
     (["model.path="], ["config.model.path", "empty"]),
     (["model.device=tpu"], ["config.model.device", "'tpu'"]),
+    (["model.attn_backend=fa5"], ["config.model.attn_backend", "'fa5'", "did you mean 'fa4'"]),
+    (["model.compile=fast"], ["config.model.compile", "'fast'", "true | false | 'auto'"]),
     # malformed overrides
     (["train.steps"], ["override 'train.steps'", "expected key=value"]),
     (["data.chat_template={{ x }}"], ["override 'data.chat_template={{ x }}'", "not valid YAML", "quote it"]),

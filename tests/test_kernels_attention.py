@@ -218,3 +218,20 @@ def test_varlen_op_compiles_as_one_graph():
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_auto_backend_picks_varlen_only_where_it_runs(monkeypatch):
+    """attn_backend "auto": varlen on a CUDA GPU of compute capability >= 8.0 in bf16/fp16 with packed rows,
+    sdpa anywhere else (the capability is faked, so this runs without a GPU)."""
+    from gapless.kernels.attention import auto_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    assert auto_backend(cuda, torch.bfloat16, packed=True) == "varlen"
+    assert auto_backend(cuda, torch.float16, packed=True) == "varlen"
+    assert auto_backend(cuda, torch.float32, packed=True) == "sdpa"  # varlen runs half precision only
+    assert auto_backend(cuda, torch.bfloat16, packed=False) == "sdpa"  # padded rows carry a mask
+    assert auto_backend(cpu, torch.bfloat16, packed=True) == "sdpa"
+    capability["value"] = (7, 5)  # a T4: no FlashAttention-2 kernels
+    assert auto_backend(cuda, torch.bfloat16, packed=True) == "sdpa"

@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -339,9 +340,12 @@ def test_metrics_jsonl_and_config_yaml(base, uninterrupted):
     assert records[0]["lr"] == pytest.approx(1e-2)  # warmup_steps 1: step 1 trains at the peak
     assert records[-1]["lr"] < records[1]["lr"]  # cosine decay
 
+    # config.yaml is the config that ran: the "auto" settings resolved (on the CPU: sdpa, no compile)
     cfg = run_config(base, "uninterrupted")
-    assert load_config(run / "config.yaml") == cfg
-    assert from_dict(RunConfig, yaml.safe_load((run / "config.yaml").read_text())) == cfg
+    assert (cfg.model.attn_backend, cfg.model.compile) == ("auto", "auto")
+    ran = replace(cfg, model=replace(cfg.model, attn_backend="sdpa", compile=False))
+    assert load_config(run / "config.yaml") == ran
+    assert from_dict(RunConfig, yaml.safe_load((run / "config.yaml").read_text())) == ran
 
 
 def test_log_every_averages_over_the_window(base, uninterrupted):

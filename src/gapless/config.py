@@ -137,6 +137,10 @@ class CheckpointConfig:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if tp is bool:
+        return "true | false"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -394,12 +398,15 @@ class ModelConfig:
     path: str  # an HF checkpoint folder: config.json + safetensors (sharded or not)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
-    # attention backend, chosen explicitly, never silently: sdpa (plain PyTorch, runs anywhere),
-    # varlen (torch varlen_attn), flex (FlexAttention), fa4 (flash-attn-4), fa4_op (flash-attn-4 as torch
-    # custom ops: no graph break in compiled layers); see gapless.kernels.attention
-    attn_backend: str = "sdpa"
-    # torch.compile each decoder layer and the loss's per-chunk step (GPU fast path; the first step compiles)
-    compile: bool = False
+    # attention backend: auto (varlen on a CUDA GPU of compute capability 8.0+ in bf16/fp16 with packed rows,
+    # sdpa elsewhere: kernels.attention.auto_backend), sdpa (plain PyTorch, runs anywhere), varlen (torch
+    # varlen_attn), flex (FlexAttention), fa4 (flash-attn-4), fa4_op (flash-attn-4 as torch custom ops: no graph
+    # break in compiled layers, the fastest measured). A named backend that cannot run here is an error, never
+    # swapped for another; the run prints what auto chose and config.yaml in the run folder records it.
+    attn_backend: str = "auto"
+    # torch.compile each decoder layer and the loss's per-chunk step (the first step compiles); auto: on with CUDA,
+    # off on the CPU (inductor's CPU build of a layer takes longer than the short runs a CPU is for)
+    compile: bool | Literal["auto"] = "auto"
     # activation checkpointing of every N-th decoder layer, only when memory requires it; 0 = off
     activation_checkpointing: int = 0
 
@@ -411,6 +418,12 @@ class ModelConfig:
             raise ValueError(f"{where}.path: empty; give the folder of an HF checkpoint (config.json + *.safetensors)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"{where}.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        from gapless.kernels.attention import backend_names
+
+        if self.attn_backend not in ["auto", *backend_names()]:
+            hint = difflib.get_close_matches(self.attn_backend, backend_names(), n=1)
+            raise ValueError(f"{where}.attn_backend: {self.attn_backend!r} is not one of "
+                             f"{['auto', *backend_names()]}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
 
 
 @dataclass

@@ -101,8 +101,27 @@ def get_attention(name: str) -> AttentionFn:
     """
     backends = _backends()
     if name not in backends:
-        raise ValueError(f"attention backend {name!r} is not known; choose one of {sorted(backends)}")
+        raise ValueError(f"attention backend {name!r} is not known; choose one of {backend_names()}")
     return backends[name]()
+
+
+def backend_names() -> list[str]:
+    return sorted(_backends())
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool) -> str:
+    """What `attn_backend: auto` runs: "varlen" on a CUDA GPU of compute capability 8.0 or newer (FlashAttention-2's
+    kernels) in bf16/fp16 with packed rows, "sdpa" anywhere else (the CPU, float32, padded rows with a mask).
+    flash-attn-4 is never picked here: it is an extra that the user names (fa4_op), as its installation says."""
+    if not packed or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "sdpa"
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "varlen"
 
 
 def _backends() -> dict[str, Callable[[], AttentionFn]]:

@@ -236,21 +236,26 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     """Measure the gap of `cfg` (windows of `steps` measured steps under `out`); gap.json's content."""
     from gapless.data.batching import BatchSampler
     from gapless.data.tokenize import build_data
-    from gapless.train.loop import resolve_device, total_steps
+    from gapless.train.loop import resolve_auto, resolve_device, total_steps
 
     if steps < 2:
         raise ValueError(f"--steps: {steps}; a window needs at least 2 measured steps (default {DEFAULT_STEPS})")
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out)
     runner = Runner(out, steps, log)
-    user, d = cfg, cfg.data
-    device = resolve_device(user.model.device)
+    device = resolve_device(cfg.model.device)
+    # "auto" settings resolved once, for the user's own conditions: every window then runs the same attention
+    # backend and compile setting, so no bar can hide a change of kernel
+    user, auto_note = resolve_auto(cfg, device)
+    d = user.data
     last = steps + 1  # steps 1..last run after the warm-up step's end (step 1 is the warm-up itself)
 
     vocab = read_model_args(user.model.path).vocab_size  # the checkpoint's config.json, checked: fail fast
     mix, eval_mix, summary = build_data(d, Path(d.tokenizer or user.model.path))  # the user's, first: fail fast
     if not len(mix):
         raise ValueError("data: no training documents after reading and filtering; see `gapless data CONFIG`")
+    if auto_note:
+        log(auto_note)
 
     # -- advertised conditions
     base = copy.deepcopy(user)

@@ -25,7 +25,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +65,25 @@ def resolve_device(name: str, setting: str = "model.device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{setting}: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
     return device
+
+
+def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str | None]:
+    """cfg with model.attn_backend and model.compile "auto" replaced by what runs on `device`, and a line saying
+    what was chosen (None when nothing was "auto")."""
+    from gapless.kernels.attention import auto_backend
+    from gapless.model.loading import DTYPES
+
+    m = cfg.model
+    if m.attn_backend != "auto" and m.compile != "auto":
+        return cfg, None
+    attn = m.attn_backend if m.attn_backend != "auto" else auto_backend(device, DTYPES[m.dtype],
+                                                                        cfg.data.batching == "packed")
+    compile_ = m.compile if m.compile != "auto" else device.type == "cuda"
+    cfg = replace(cfg, model=replace(m, attn_backend=attn, compile=compile_))
+    chosen = [f"{key} {value}" for key, value, given in (("attn_backend", attn, m.attn_backend),
+                                                        ("compile", str(compile_).lower(), m.compile))
+              if given == "auto"]
+    return cfg, f"model: {', '.join(chosen)} (auto on {device.type}, {m.dtype}, {cfg.data.batching} rows)"
 
 
 @torch.no_grad()
@@ -161,6 +180,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
     from gapless.model.lora import save_adapter
 
     device = resolve_device(cfg.model.device)
+    cfg, auto_note = resolve_auto(cfg, device)  # config.yaml below records what runs
     timeline = Timeline(device)  # every second from here on goes to one category (gapless.meter.timeline)
     timeline.begin("startup")
     t_start = timeline.t0
@@ -169,6 +189,8 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
     progress = Progress(0, stream=out, enabled=cfg.progress)
+    if auto_note:
+        progress.message(auto_note)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
