@@ -50,3 +50,17 @@ def test_fast_path_losses_match_the_cpu_reference(tmp_path, attn, compile, lora_
     for step in ref:
         assert fast[step] == pytest.approx(ref[step], rel=2e-2), (step, fast, ref)
     assert ref[STEPS] < ref[1]  # it trained: a test of a run that learns nothing would prove little
+
+
+def test_auto_defaults_run_the_fast_path(tmp_path):
+    """A config that names no attention backend and no compile setting: on the GPU "auto" runs varlen in compiled
+    layers (config.yaml records it) and trains to the CPU reference's losses."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("auto picks varlen on compute capability 8.0+ only")
+    ref = run(tmp_path, "cpu", {"device": "cpu", "dtype": "float32", "attn_backend": "sdpa"})
+    fast = run(tmp_path, "gpu", {"device": "cuda", "dtype": "bfloat16"}, lora_kernel="grouped")
+    ran = load_config(tmp_path / "gpu" / "config.yaml").model
+    assert (ran.attn_backend, ran.compile) == ("varlen", True)
+    assert fast[1] == pytest.approx(ref[1], rel=2e-3), (fast, ref)
+    for step in ref:
+        assert fast[step] == pytest.approx(ref[step], rel=2e-2), (step, fast, ref)
