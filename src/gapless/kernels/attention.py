@@ -11,7 +11,8 @@ Every backend computes the same function:
 - `attention_mask` ([B, T], 1 = real token, 0 = padding) is for padded batches (cu_seqlens None).
 - `sliding_window` (Mistral): a query at position i sees keys j with i - window < j <= i.
 
-"sdpa" is the plain-PyTorch reference that runs anywhere; the GPU backends are tested against it.
+"sdpa" is the plain-PyTorch reference that runs anywhere; the GPU backends are tested against it. The config's
+default, `attn_backend: auto`, resolves once per run to a name (auto_backend): varlen where it runs, sdpa elsewhere.
 
 The GPU backends (CUDA, bf16/fp16 only; each refuses anything else with an error naming the fallback):
 - "varlen": torch.nn.attention.varlen.varlen_attn, torch's own FlashAttention-2 varlen kernels, GQA native.
