@@ -4,6 +4,8 @@
 #   bash bench/run_gpu.sh          the ladder on Llama-3.2-3B, best on Llama-3.2-1B and Llama-3.1-8B, HF+PEFT packed
 #                                  beside them, and the flex rung last if time is left (its first compile: ~200 s)
 #   bash bench/run_gpu.sh flex     packed_fused and packed_fused_flex on Llama-3.2-3B (a second call)
+#   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
+#                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
 # Needs .carry/ (lengths_shared_mix.txt, hf_peft_bench.py): the GPU machine has no ../shared. With .whl/liger/ (the
 # liger-kernel wheel: `pip download --no-deps liger-kernel -d .whl/liger`, carried too) HF+PEFT+Liger runs beside. Every row goes to
@@ -49,7 +51,10 @@ torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers._
 } 2>&1 | tee "$OUT/env.txt"
 
 M3=bench/models/llama-3.2-3b
-if [[ $MODE == flex ]]; then
+if [[ $MODE == tests ]]; then
+  timeout -k 10 "$BUDGET" "$PY" -m pytest -q -m gpu tests/ 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+  exit "${PIPESTATUS[0]}"
+elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
 else
   # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s (and Liger ~60 s)
