@@ -25,7 +25,7 @@ from gapless.data.tokenize import build_data
 from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import apply_lora
-from gapless.train.loop import batch_loss_sum, evaluate, total_steps, train
+from gapless.train.loop import apply_method, batch_loss_sum, evaluate, total_steps, train
 from conftest import training_records
 
 STEPS = 6  # optimizer steps of the loop runs: checkpoints at 2, 4, 6
@@ -47,7 +47,7 @@ def run_config(base: dict, out: str, **overrides) -> RunConfig:
         "model": {"path": str(base["model"]), "dtype": "float32", "device": "cpu"},
         "data": {"sources": [{"path": str(base["data"]), "format": "messages"}], "max_seq_len": 64,
                  "tokens_per_batch": 128, "cache_dir": str(base["cache"]), "num_workers": 0},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "kernel": "reference"},  # dropout trains on the reference
         "optim": {"lr": 1e-2},
         "schedule": {"kind": "cosine", "warmup_steps": 1},
         "checkpoint": {"every": 2, "keep": 2},
@@ -230,6 +230,17 @@ def test_evaluate_is_the_token_mean_and_keeps_the_mode(base, mix):
     assert model.training
     assert ev["eval_tokens"] == sum(b.num_target_tokens for b in batches)
     assert ev["eval_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_dropout_with_a_fast_lora_kernel_warns(base):
+    """lora.dropout > 0 trains on the per-layer formula whatever lora.kernel says: the run says so."""
+    with pytest.warns(UserWarning, match="lora.kernel='grouped' applies in evaluation only"):
+        apply_method(load_model(base["model"]), run_config(base, "warn", **{"lora.kernel": "grouped"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_method(load_model(base["model"]), run_config(base, "quiet", **{"lora.kernel": "grouped",
+                                                                             "lora.dropout": 0.0}))
+        apply_method(load_model(base["model"]), run_config(base, "reference"))  # dropout 0.1, kernel reference
 
 
 def test_total_steps(base):

@@ -126,6 +126,12 @@ def apply_method(model, cfg: RunConfig):
     from gapless.model.lora import apply_lora
 
     assert cfg.method == "lora", cfg.method
+    if cfg.lora.dropout > 0 and cfg.lora.kernel != "reference":
+        # each layer draws its own dropout mask on its input in training (as PEFT's do), which the grouped and
+        # fused kernels cannot share: those layers train on the per-layer formula (gapless.model.lora)
+        warnings.warn(f"lora.kernel={cfg.lora.kernel!r} applies in evaluation only: with lora.dropout="
+                      f"{cfg.lora.dropout:g} training runs the per-layer formula ('reference'); set lora.dropout "
+                      f"to 0 to train with {cfg.lora.kernel!r}", stacklevel=2)
     return apply_lora(model, cfg.lora)
 
 
