@@ -18,8 +18,9 @@ chunk * V * (4 + 2) bytes for bf16: 1.5 GiB at the default 2048 tokens and V = 1
 N * V * (2 + 4 + 4) bytes = 20 GiB for materialised bf16 logits, their fp32 copy and its gradient at
 N = 16384. The transient sits on top of every saved activation at the end of the forward, where a step peaks:
 on the H200 (Llama-3.2-3B LoRA, 16,384 tokens a step, bench/RESULTS.md run s3-fa4op) chunks of 2048 peaked at
-46.8 GiB against 48.2 for 4096, at the same speed (34,591 vs 34,626 tokens/s; 473.6 vs 473.1 ms a step). Plus grad_hidden (N * D in the input dtype) and, when the weight trains, grad_weight in fp32
-(V * D * 4 bytes = 1.5 GiB for Llama-3.2-3B).
+46.8 GiB against 48.2 for 4096, at the same speed (34,591 vs 34,626 tokens/s; 473.6 vs 473.1 ms a step).
+Plus grad_hidden (N * D in the input dtype) and, when the weight trains, grad_weight in fp32 (V * D * 4 bytes =
+1.5 GiB for Llama-3.2-3B).
 
 FLOPs: 2 * N * V * D per GEMM, so 4 * N * V * D with a frozen head and 6 * N * V * D when it trains (the
 softmax work is memory-bound: a few passes over chunk * V floats).
