@@ -66,11 +66,15 @@ class LoraLinear(nn.Module):
         # Dropout in training needs its mask in the backward, which the fused function does not save: that case
         # takes the reference path (no warning: with dropout on, it is the only exact one; the config's comment
         # says so). In eval nn.Dropout is the identity, and the kernel is fused.
-        dropping = self.training and isinstance(self.lora_dropout, nn.Dropout)
-        if self.kernel == "fused" and not dropping:
+        if self.kernel == "fused" and not self.dropping:
             return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
+
+    @property
+    def dropping(self) -> bool:
+        """Dropout draws a mask on x now (training with dropout > 0): only the per-layer formula keeps it."""
+        return self.training and isinstance(self.lora_dropout, nn.Dropout)
 
     @staticmethod
     def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
@@ -79,8 +83,8 @@ class LoraLinear(nn.Module):
         layer with dropout in training runs alone too: each draws its own dropout mask on x, as PEFT's do."""
         # no id() or dicts of modules: under torch.compile they would make every decoder layer's graph its own
         # (guards on each module's identity) and past dynamo's recompile limit (8) the other layers run eager
-        joins = [isinstance(layer, LoraLinear) and layer.kernel == "grouped"
-                 and not (layer.training and isinstance(layer.lora_dropout, nn.Dropout)) for layer in layers]
+        joins = [isinstance(layer, LoraLinear) and layer.kernel == "grouped" and not layer.dropping
+                 for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
