@@ -119,8 +119,8 @@ def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool) -> str:
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "sdpa"
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+        _varlen_backend()  # its own check that this torch has varlen_attn
+    except RuntimeError:
         return "sdpa"
     return "varlen"
 
