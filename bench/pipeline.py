@@ -31,15 +31,18 @@ from pathlib import Path
 
 import torch
 
-from gapless.bench import GRAD_CLIP, append_row, build_random_model, device_name, loss_function, train_step
+from gapless.bench import append_row, device_name
 from gapless.config import load_config
 from gapless.data.batching import BatchSampler
 from gapless.data.tokenize import build_data
+from gapless.model.decoder import CausalLM
 from gapless.model.export import copy_tokenizer_files, save_pretrained
-from gapless.model.loading import load_model, model_args_from_config, read_config
-from gapless.train.compile import compile_layers
-from gapless.train.loop import apply_method, train, trainable_state
+from gapless.model.loading import build, load_weights, model_args_from_config, read_config
+from gapless.model.method import method_of
+from gapless.train.assemble import assemble, random_tensors
+from gapless.train.loop import train
 from gapless.train.optim import build_optimizer, build_scheduler
+from gapless.train.step import train_step
 
 
 # --smoke: the same flow on the CPU in a minute (float32, sdpa, no compile, small batches and intervals), to test
@@ -52,7 +55,9 @@ SMOKE = ["model.device=cpu", "model.dtype=float32", "model.attn_backend=sdpa", "
 def write_random_checkpoint(arch: Path, tokenizer: Path, folder: Path, device: torch.device) -> Path:
     config = read_config(arch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_random_model(model_args_from_config(config), device, dtype, "sdpa")
+    with torch.device("meta"):
+        model = CausalLM(model_args_from_config(config))
+    model = load_weights(model, dtype, device, tensors=random_tensors(model, device, dtype))
     model.config_dict = config
     save_pretrained(model, folder, source_dir=arch)
     copy_tokenizer_files(tokenizer, folder)
@@ -81,20 +86,15 @@ def pure_steps(cfg, steps: int) -> tuple[int, float]:
     device = torch.device(cfg.model.device)
     cuda = device.type == "cuda"
     batches = [b.to(device) for _, b in zip(range(steps), sampler)]
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device, attn_backend=cfg.model.attn_backend)
-    model = apply_method(model, cfg)
-    if cfg.model.compile:
-        model = compile_layers(model)
-    model.train()
-    params = list(trainable_state(model).values())
+    method = method_of(cfg)
+    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
+                     compile=cfg.model.compile)
+    params = list(method.trainable(model).values())
     optimizer = build_optimizer(params, cfg.optim, device.type)
     scheduler = build_scheduler(optimizer, cfg.schedule, steps)
 
-    loss_fn = loss_function("fused_compiled" if cfg.model.compile else "fused")
-    assert cfg.optim.grad_clip == GRAD_CLIP, "train_step clips at bench's GRAD_CLIP"
-
     def step(b):
-        train_step(model, b, loss_fn, params, optimizer)  # the bench's step: forward, backward, clip, AdamW
+        train_step(model, [b], params, optimizer, cfg.optim.grad_clip)  # the loop's step: forward, backward, clip, AdamW
         scheduler.step()
 
     step(batches[0])  # compiles

@@ -20,17 +20,17 @@ import json
 import re
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gapless.bench import CONFIGS, build_random_model, lengths_mixture, loss_function, take_batches, train_step
-from gapless.config import LoraConfig, OptimConfig
+from gapless.bench import CONFIGS, build_model, lengths_mixture, take_batches
+from gapless.config import OptimConfig
 from gapless.data.batching import BatchSampler
 from gapless.model.loading import model_args_from_config, read_config
-from gapless.model.lora import apply_lora
-from gapless.train.compile import compile_layers
 from gapless.train.optim import build_optimizer
+from gapless.train.step import train_step
 
 KINDS = [("attention", r"flash|fmha|attn|flex"), ("gemm", r"nvjet|xmma|cutlass|gemm|sm90_|cublas"),
          ("triton", r"^triton_"), ("optimizer", r"multi_tensor|adam|foreach"), ("copy", r"memcpy|memset|copy"),
@@ -65,22 +65,17 @@ def main() -> int:
     mix = lengths_mixture(opts.lengths, args.vocab_size, 4096)
     sampler = BatchSampler(mix, strategy=recipe.batching, max_seq_len=4096, tokens_per_batch=16384, seed=0)
     batches = take_batches(sampler, opts.warmup + opts.steps, device)
-    model = build_random_model(args, device, dtype, recipe.attn)
-    lora = LoraConfig(r=16, kernel=opts.lora_kernel or recipe.lora_kernel)
-    model = apply_lora(model, lora)
-    if recipe.compile:
-        model = compile_layers(model)
-    model.train()
-    params = [q for q in model.parameters() if q.requires_grad]
+    recipe = replace(recipe, lora_kernel=opts.lora_kernel or recipe.lora_kernel)
+    model, method = build_model(args, recipe, device, dtype)
+    params = list(method.trainable(model).values())
     optimizer = build_optimizer(params, OptimConfig(), device.type)
-    loss_fn = loss_function(recipe.loss, recipe.loss_chunk)
     for b, _ in batches[:opts.warmup]:
-        train_step(model, b, loss_fn, params, optimizer)
+        train_step(model, [b], params, optimizer, OptimConfig().grad_clip)
     sync()
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for b, _ in batches[opts.warmup:]:
-            train_step(model, b, loss_fn, params, optimizer)
+            train_step(model, [b], params, optimizer, OptimConfig().grad_clip)
         sync()
 
     steps = opts.steps

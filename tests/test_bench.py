@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gapless import cli
-from gapless.bench import (CONFIGS, LADDER, MD_END, MD_START, build_random_model, compile_layers, lengths_mixture,
+from gapless.bench import (CONFIGS, LADDER, MD_END, MD_START, Recipe, build_model, lengths_mixture,
                            take_batches, update_results_md)
 from gapless.config import LoraConfig
 from gapless.data.batching import BatchSampler
@@ -18,7 +18,8 @@ from gapless.kernels.attention import sdpa_reference
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.lora import apply_lora
 from gapless.train.ckpt_activations import checkpoint_activations
-from gapless.train.loop import batch_loss_sum
+from gapless.train.compile import compile_layers
+from gapless.train.step import loss_sum
 
 VOCAB = 96
 TINY = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,
@@ -182,7 +183,7 @@ def test_checkpoint_activations_same_gradients_recomputes_and_keeps_names(tmp_pa
         count = [0]
         # a pre-hook: the recomputation stops early, inside the MLP, once every saved tensor is rebuilt
         model.model.layers[1].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-        batch_loss_sum(model, batch).backward()
+        loss_sum(model, batch).backward()
         calls.append(count[0])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     assert calls == [1, 2]  # the checkpointed layer ran again in backward
@@ -192,9 +193,9 @@ def test_checkpoint_activations_same_gradients_recomputes_and_keeps_names(tmp_pa
         checkpoint_activations(model)
 
 
-def test_build_random_model_ties_head_and_inits():
+def test_build_model_assembles_random_weights_ties_head_and_inits():
     args = ModelArgs(**TINY)
-    model = build_random_model(args, torch.device("cpu"), torch.float32, "sdpa")
+    model, method = build_model(args, Recipe("packed", "sdpa", "fused"), torch.device("cpu"), torch.float32, lora_r=4)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(p.is_meta for p in model.parameters())
     assert torch.equal(model.model.norm.weight, torch.ones(args.hidden_size))
@@ -202,6 +203,13 @@ def test_build_random_model_ties_head_and_inits():
     assert 0.015 < std < 0.025
     reference = CausalLM(args)
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    # LoRA as a run has it: A initialised, B zero, only the adapters train
+    lora_a = model.model.layers[0].self_attn.q_proj.lora_A.weight
+    assert lora_a.abs().sum() > 0 and not model.model.layers[0].self_attn.q_proj.lora_B.weight.any()
+    assert set(method.trainable(model)) == {n for n, _ in model.named_parameters() if ".lora_" in n}
+    assert model.loss_chunk_size == CONFIGS["best"].loss_chunk and not model.loss_compiled
+    materialised, _ = build_model(args, CONFIGS["packed_sdpa"], torch.device("cpu"), torch.float32)
+    assert materialised.loss_chunk_size is None
 
 
 def test_compiled_layers_do_not_recompile_per_batch(tmp_path):
@@ -219,13 +227,14 @@ def test_compiled_layers_do_not_recompile_per_batch(tmp_path):
     model = tiny_lora_model()
     model.attn_fn = varlen_like
     model = compile_layers(model, backend="eager")
+    model.loss_compiled = False  # the layers' graphs alone (the loss's per-chunk step would add one of its own)
     rng = np.random.default_rng(1)
     # shorter documents, more of them: 2 rows of 64 slots hold a different number in each batch
     batches = [packed_batch(tmp_path, rng.integers(2, 64 - 10 * i, 40).tolist(), seed=i) for i in range(6)]
     assert len({len(b.cu_seqlens) for b in batches}) > 2 and len({b.max_seqlen for b in batches}) > 2
     graphs, before = [], int(counters["stats"]["unique_graphs"])  # process-wide: other tests compile too
     for batch in batches:
-        batch_loss_sum(model, batch).backward()
+        loss_sum(model, batch).backward()
         graphs.append(int(counters["stats"]["unique_graphs"]) - before)
     # two variants: layer 0's input needs no gradient (frozen embedding), layer 1's does
     assert graphs == [2] * 6, graphs

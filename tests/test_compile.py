@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import gapless.train.assemble as assemble
 import gapless.train.loop as loop
 from gapless import demo_task
 from gapless.config import load_config
@@ -49,7 +50,7 @@ def test_the_loop_warns_and_records_eager_frames(tmp_path, monkeypatch):
     demo_task.write_jsonl(demo_task.make_examples(40, seed=1), tmp_path / "train.jsonl")
     counts = iter([0, 3])
     monkeypatch.setattr(loop, "frames_not_compiled", lambda: next(counts, 3))
-    monkeypatch.setattr(loop, "compile_layers", lambda model: model)
+    monkeypatch.setattr(assemble, "compile_layers", lambda model: model)
     cfg = load_config(data={
         "model": {"path": str(tmp_path / "base"), "dtype": "float32", "device": "cpu", "compile": True},
         "data": {"sources": [{"path": str(tmp_path / "train.jsonl")}], "max_seq_len": 64, "tokens_per_batch": 128,

@@ -20,7 +20,7 @@ import yaml
 from gapless import demo_task
 from gapless.cli import main
 from gapless.demo import write_base_model
-from gapless.meter.gap import (NOISE, Window, amortised_tokens_per_s, format_table, interval_for, run_gap,
+from gapless.diagnosis.gap import (NOISE, Window, amortised_tokens_per_s, format_table, interval_for, run_gap,
                                waterfall)
 from gapless.meter.report import plot_gap, read_gap, read_run
 from test_report import assert_png, images

@@ -25,7 +25,9 @@ from gapless.data.tokenize import build_data
 from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import apply_lora
-from gapless.train.loop import apply_method, batch_loss_sum, evaluate, total_steps, train
+from gapless.model.method import method_of
+from gapless.train.loop import evaluate, total_steps, train
+from gapless.train.step import loss_sum
 from conftest import training_records
 
 STEPS = 6  # optimizer steps of the loop runs: checkpoints at 2, 4, 6
@@ -132,17 +134,17 @@ def test_accumulated_micro_batches_equal_one_batch(base, mix, strategy):
     model = lora_model(base)
 
     for b in micro:  # the loop's accumulation
-        (batch_loss_sum(model, b) / n_step).backward()
+        (loss_sum(model, b) / n_step).backward()
     accumulated = grads(model)
 
     one = doc_batch(mix, gids)
     assert one.num_target_tokens == n_step
-    (batch_loss_sum(model, one) / one.num_target_tokens).backward()
+    (loss_sum(model, one) / one.num_target_tokens).backward()
     assert_grads_close(accumulated, grads(model))
 
     # the test can tell: a mean of per-micro-batch means is a different gradient
     for b in micro:
-        (batch_loss_sum(model, b) / b.num_target_tokens / len(micro)).backward()
+        (loss_sum(model, b) / b.num_target_tokens / len(micro)).backward()
     assert max_grad_diff(accumulated, grads(model)) > 1e-4
 
 
@@ -182,14 +184,14 @@ def test_packed_rows_equal_documents_alone(base, mix):
     packed = packed_row_by_hand(docs, row_len=sum(len(x) for x, _ in docs[:3]) + 5)
     model = lora_model(base)
 
-    loss_packed = batch_loss_sum(model, packed)
+    loss_packed = loss_sum(model, packed)
     loss_packed.backward()
     g_packed = grads(model)
 
     loss_alone = torch.zeros(())
     for g in range(6):
         b = doc_batch(mix, [g])
-        loss = batch_loss_sum(model, b)
+        loss = loss_sum(model, b)
         loss.backward()
         loss_alone += loss.detach()
     assert packed.num_target_tokens == sum(doc_batch(mix, [g]).num_target_tokens for g in range(6))
@@ -197,7 +199,7 @@ def test_packed_rows_equal_documents_alone(base, mix):
     assert_grads_close(g_packed, grads(model))
 
     # the test can tell: the same row without its document boundaries is another loss
-    leaky = batch_loss_sum(model, Batch(packed.input_ids, packed.targets,
+    leaky = loss_sum(model, Batch(packed.input_ids, packed.targets,
                                         torch.arange(packed.input_ids.shape[1]).expand_as(packed.input_ids),
                                         None, packed.input_ids.shape[1], None, 0, 0, 0))
     assert abs(leaky.item() - loss_alone.item()) > 1e-2
@@ -211,10 +213,10 @@ def test_sampler_packed_batches_equal_documents_alone(base, mix):
     gids = sum(rows, [])
     assert len(gids) > 2
     model = lora_model(base)
-    loss_packed = batch_loss_sum(model, packed)
+    loss_packed = loss_sum(model, packed)
     loss_packed.backward()
     g_packed = grads(model)
-    loss_alone = sum(batch_loss_sum(model, doc_batch(mix, [g])) for g in gids)
+    loss_alone = sum(loss_sum(model, doc_batch(mix, [g])) for g in gids)
     loss_alone.backward()
     torch.testing.assert_close(loss_packed.detach(), loss_alone.detach(), rtol=1e-6, atol=1e-5)
     assert_grads_close(g_packed, grads(model))
@@ -224,7 +226,7 @@ def test_evaluate_is_the_token_mean_and_keeps_the_mode(base, mix):
     model = lora_model(base)
     batches = [doc_batch(mix, [0, 1, 2]), doc_batch(mix, [3])]
     with torch.no_grad():
-        want = sum(batch_loss_sum(model.eval(), b).item() for b in batches) / sum(b.num_target_tokens for b in batches)
+        want = sum(loss_sum(model.eval(), b).item() for b in batches) / sum(b.num_target_tokens for b in batches)
     model.train()
     ev = evaluate(model, batches, torch.device("cpu"))
     assert model.training
@@ -235,12 +237,12 @@ def test_evaluate_is_the_token_mean_and_keeps_the_mode(base, mix):
 def test_dropout_with_a_fast_lora_kernel_warns(base):
     """lora.dropout > 0 trains on the per-layer formula whatever lora.kernel says: the run says so."""
     with pytest.warns(UserWarning, match="lora.kernel='grouped' applies in evaluation only"):
-        apply_method(load_model(base["model"]), run_config(base, "warn", **{"lora.kernel": "grouped"}))
+        method_of(run_config(base, "warn", **{"lora.kernel": "grouped"})).transform(load_model(base["model"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        apply_method(load_model(base["model"]), run_config(base, "quiet", **{"lora.kernel": "grouped",
-                                                                             "lora.dropout": 0.0}))
-        apply_method(load_model(base["model"]), run_config(base, "reference"))  # dropout 0.1, kernel reference
+        method_of(run_config(base, "quiet", **{"lora.kernel": "grouped", "lora.dropout": 0.0})).transform(
+            load_model(base["model"]))
+        method_of(run_config(base, "reference")).transform(load_model(base["model"]))  # dropout 0.1, kernel reference
 
 
 def test_total_steps(base):
@@ -272,7 +274,7 @@ def test_first_logged_loss_is_the_token_mean_of_the_step(base, mix, uninterrupte
     micro = [b for b, _ in zip(sampler, range(cfg.train.grad_accum))]
     model = load_model(base["model"], dtype="float32")
     with torch.no_grad():
-        want = sum(batch_loss_sum(model, b).item() for b in micro) / sum(b.num_target_tokens for b in micro)
+        want = sum(loss_sum(model, b).item() for b in micro) / sum(b.num_target_tokens for b in micro)
     assert uninterrupted.losses[1] == pytest.approx(want, rel=1e-5)
 
 

@@ -105,13 +105,13 @@ def test_first_window_rates_leave_out_the_warm_up_step(base, monkeypatch):
     the steps take nearly equal time even on a busy CPU."""
     import gapless.train.loop as loop
 
-    plain = loop.batch_loss_sum
+    plain = loop.train_step
 
     def slow(*args, **kwargs):
         time.sleep(0.3)
         return plain(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "batch_loss_sum", slow)
+    monkeypatch.setattr(loop, "train_step", slow)
     result = train(one_epoch(base, "warm", **{"train.log_every": 2, "train.steps": 10}))
     rates = [r["tokens_per_s"] for r in training_records(result.run_dir / "metrics.jsonl")]
     assert len(rates) == 5

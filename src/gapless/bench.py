@@ -4,15 +4,16 @@
                   [--warmup 3] [--lengths FILE | --data DIR --tokenizer DIR] [--peers] [--out bench/results.jsonl]
 
 What one configuration measures
-- The model: the architecture of `--model`'s config.json (no weights on disk) built on the meta device,
-  materialised on the device in bf16 and given HF's init (normal, std 0.02; norms 1), then LoRA r=16 on all
-  seven projections of every layer (gapless's defaults: alpha 32, dropout 0, float32 adapter weights with bf16
-  matmuls). Random weights do the same work as trained ones.
-- The step: the loop's step (gapless.train.loop): the loss sum over the batch's trained tokens, backward of
-  loss / trained tokens, gradient clipping (1.0) and fused AdamW over the LoRA weights. No learning-rate schedule
-  (a host-side multiply). The loss is the loop's `batch_loss_sum` for "fused", the same hidden states with a
-  materialised [tokens, vocab] logits tensor for "materialised", and `linear_cross_entropy(compiled=True)` for
-  "fused_compiled" (the loop's function does not take that switch yet).
+- The model: the architecture of `--model`'s config.json (no weights on disk), assembled as a run assembles its
+  model (gapless.train.assemble: built on the meta device, LoRA r=16 on all seven projections of every layer with
+  gapless's defaults: alpha 32, dropout 0, float32 adapter weights with bf16 matmuls; checkpointing and compile as
+  the recipe says), its weights drawn on the device in bf16 with HF's init (normal, std 0.02; norms 1) in place of
+  a checkpoint's. Random weights do the same work as trained ones.
+- The step: the loop's step (gapless.train.step.train_step): the loss sum through the model's forward, backward
+  of loss / trained tokens, gradient clipping (1.0) and fused AdamW over the LoRA weights. No learning-rate
+  schedule (a host-side multiply). The loss is the chunked fused cross-entropy (gapless.kernels.loss) for
+  "fused", the same with its per-chunk step compiled for "fused_compiled", and a materialised [tokens, vocab]
+  logits tensor, as transformers computes it, for "materialised" (CausalLM.loss_chunk_size None).
 - The data: the real data path. Either the shared messages files tokenized by `data.build_data` with the Llama 3
   tokenizer (max_seq_len 4096, overlong truncated), or, where those are absent (the GPU machine), a token-length
   file (`--lengths`, e.g. peers/lengths_shared_mix.txt: the Llama 3 lengths of the same records): its lengths,
@@ -58,7 +59,6 @@ A configuration that fails (out of memory, a compile error) is recorded with its
 from __future__ import annotations
 
 import datetime
-import functools
 import gc
 import importlib.util
 import json
@@ -77,17 +77,20 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict
-from gapless.data.batching import IGNORE, Batch, BatchSampler, Mixture
+from gapless.data.batching import Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
-from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
-from gapless.train.compile import compile_layers, frames_not_compiled
+from gapless.model.method import Lora
+from gapless.train.assemble import assemble, random_tensors
+from gapless.train.compile import frames_not_compiled
 from gapless.train.loop import resolve_device
+from gapless.train.optim import build_optimizer
+from gapless.train.step import train_step
 
 MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
 GRAD_CLIP = 1.0  # the loop's default (optim.grad_clip)
@@ -148,40 +151,18 @@ PEER_FIRST_CALL_S = 30.0  # imports and building the model
 # transforms and the model
 
 
-def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, attn: str,
-                       seed: int = 0) -> CausalLM:
-    """The architecture with random weights, built on meta and materialised on `device` (no checkpoint on disk)."""
+def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: torch.dtype, lora_r: int = 16,
+                seed: int = 0) -> tuple[CausalLM, Lora]:
+    """The architecture with random weights (no checkpoint on disk), assembled as a run assembles its model
+    (gapless.train.assemble: built on meta, LoRA, checkpointing, compile, then the weights), and the recipe's loss."""
+    method = Lora(LoraConfig(r=lora_r, kernel=recipe.lora_kernel))
     with torch.device("meta"):
-        model = CausalLM(args, attn_backend=attn)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()  # to_empty gives every parameter its own storage, the tied head included
-    model.model.rotary_emb.reset_inv_freq(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied weight is listed once
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)  # transformers' initializer_range
-    return model
-
-
-def loss_materialised(model: CausalLM, batch: Batch) -> torch.Tensor:
-    """The loss as HF computes it: the full [B, T, vocab] logits, upcast to float32, then cross-entropy."""
-    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.attention_mask,
-                                 batch.max_seqlen)  # [B, T, D]
-    logits = model.lm_head(hidden)  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-
-
-def loss_function(kind: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[CausalLM, Batch], torch.Tensor]:
-    from gapless.train.loop import batch_loss_sum
-
-    return {"materialised": loss_materialised, "fused": functools.partial(batch_loss_sum, chunk_size=chunk_size),
-            "fused_compiled": functools.partial(batch_loss_sum, compiled=True, chunk_size=chunk_size)}[kind]
+        model = CausalLM(args, attn_backend=recipe.attn)
+    model = assemble(model, method, device, dtype, activation_checkpointing=int(recipe.checkpoint),
+                     compile=recipe.compile, tensors=random_tensors(model, device, dtype, seed))
+    model.loss_chunk_size = None if recipe.loss == "materialised" else recipe.loss_chunk
+    model.loss_compiled = recipe.loss == "fused_compiled"
+    return model, method
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,29 +293,8 @@ def base_row(ctx: Context, system: str, config: str) -> dict:
             "command": ctx.command, "run_id": ctx.run_id, "torch": torch.__version__, "error": None}
 
 
-def train_step(model, batch: Batch, loss_fn, params, optimizer, clock: Clock | None = None, marks=None):
-    """The loop's step for one micro-batch; with `marks`, records an event after the forward, backward, update."""
-    from gapless.train.optim import clip_grad_norm
-
-    loss_sum = loss_fn(model, batch)
-    if marks is not None:
-        marks.append(clock.mark())
-    (loss_sum / max(batch.num_target_tokens, 1)).backward()
-    if marks is not None:
-        marks.append(clock.mark())
-    clip_grad_norm(params, GRAD_CLIP)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if marks is not None:
-        marks.append(clock.mark())
-    return loss_sum.detach()
-
-
 def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     """Build, warm up, time and profile one configuration; returns its row (raises on failure)."""
-    from gapless.model.lora import apply_lora
-    from gapless.train.ckpt_activations import checkpoint_activations
-    from gapless.train.optim import build_optimizer
 
     opts, device = ctx.opts, ctx.device
     cuda = device.type == "cuda"
@@ -346,18 +306,15 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     warm, timed, profile = (batches[:opts.warmup], batches[opts.warmup:opts.warmup + opts.steps],
                             batches[opts.warmup + opts.steps:])
 
-    model = build_random_model(ctx.args, device, ctx.dtype, recipe.attn)
-    lora = LoraConfig(r=opts.lora_r, kernel=recipe.lora_kernel)
-    model = apply_lora(model, lora)
-    if recipe.checkpoint:
-        model = checkpoint_activations(model)
-    if recipe.compile:
-        model = compile_layers(model)
+    model, method = build_model(ctx.args, recipe, device, ctx.dtype, opts.lora_r)
+    lora = method.cfg
     frames_failed_before = frames_not_compiled()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = list(method.trainable(model).values())
     optimizer = build_optimizer(params, OptimConfig(grad_clip=GRAD_CLIP), device.type)
-    loss_fn = loss_function(recipe.loss, recipe.loss_chunk)
+
+    def step(b: Batch, mark=None):  # the loop's step (gapless.train.step) without the scheduler
+        return train_step(model, [b], params, optimizer, GRAD_CLIP, mark)[0]
+
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -365,7 +322,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     clock.sync()
     t0 = time.perf_counter()
     for b, _ in warm:
-        train_step(model, b, loss_fn, params, optimizer)
+        step(b)
     clock.sync()
     warmup_s = time.perf_counter() - t0
 
@@ -373,7 +330,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     graphs_before = _graphs_compiled()
     start = clock.mark()
     for b, _ in timed:
-        loss = train_step(model, b, loss_fn, params, optimizer)
+        loss = step(b)
     end = clock.mark()
     clock.sync()
     seconds = clock.ms(start, end) / 1e3
@@ -384,7 +341,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     for b, _ in profile:
         clock.sync()
         marks = [clock.mark()]
-        train_step(model, b, loss_fn, params, optimizer, clock, marks)
+        step(b, lambda: marks.append(clock.mark()))
         clock.sync()
         phases += [clock.ms(marks[i], marks[i + 1]) for i in range(3)]
     phases /= max(len(profile), 1)
@@ -393,7 +350,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
 
     real = sum(b.num_real_tokens for b, _ in timed)
     slots = sum(b.num_slots for b, _ in timed)
-    flops = sum(step_flops(ctx.args, lengths, "lora", lora.r, lora.target_modules) for _, lengths in timed)
+    flops = sum(step_flops(ctx.args, lengths, **method.flops) for _, lengths in timed)
     row = base_row(ctx, "gapless", name)
     row.update(
         real_tok_s=round(real / seconds, 1), peak_gib=None if peak_gib is None else round(peak_gib, 2),

@@ -196,7 +196,7 @@ def register_gap(sub) -> None:
                                    "on the config's real settings one at a time (lengths and batching, gradient "
                                    "accumulation, logging, checkpoints, evaluation, data loading, precision), each "
                                    "in a short measured training window; print the waterfall as a table, write "
-                                   "gap.json, gap.png and gap.html. See gapless/meter/gap.py for what is measured.")
+                                   "gap.json, gap.png and gap.html. See gapless/diagnosis/gap.py for what is measured.")
     p.add_argument("target", metavar="CONFIG_OR_RUN",
                    help="a YAML config, or a run folder (its config.yaml; its gap.json and report.html are updated)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
@@ -208,7 +208,7 @@ def register_gap(sub) -> None:
 
 
 def run_gap(args) -> int:
-    from gapless.meter.gap import DEFAULT_STEPS, run_gap as gap
+    from gapless.diagnosis.gap import DEFAULT_STEPS, run_gap as gap
 
     gap(args.target, args.overrides, steps=DEFAULT_STEPS if args.steps is None else args.steps, out=args.out)
     return 0

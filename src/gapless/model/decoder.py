@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gapless.kernels.attention import get_attention
+from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -280,8 +281,19 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
+        # the checkpoint's tensors, HF key -> shape, as transformers saves them (a tied head is left out): what
+        # gapless.model.loading checks a folder against and streams in, whatever a transform renames later
+        self.checkpoint_shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()
+                                  if not (args.tie_word_embeddings and k == "lm_head.weight")}
         self.attn_backend = attn_backend
         self.attn_fn = get_attention(attn_backend)
+        # the loss of forward(targets=...): tokens per chunk (its transient memory; None: the full logits
+        # materialised, as transformers does, kept to measure what that costs) and whether the per-chunk
+        # softmax step runs compiled (set by gapless.train.compile.compile_layers)
+        self.loss_chunk_size = DEFAULT_CHUNK_SIZE
+        self.loss_compiled = False
+        # set by gapless.model.loading.build: config.json as read, its folder, and the safetensors file of each
+        # checkpoint tensor (what load_weights streams)
         self.config_dict: dict | None = None
         self.source_dir = None
 
@@ -315,8 +327,21 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                attention_mask: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids, cu_seqlens, attention_mask, max_seqlen))
+                attention_mask: Tensor | None = None, max_seqlen: int | None = None,
+                targets: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab]; with `targets` ([B, T], -100 where untrained) the float32 SUM of the cross-entropy
+        over the trained tokens instead, through the chunked fused loss (gapless.kernels.loss): the full logits
+        never exist. Training calls this, never the layers around it, so the hooks that DDP (gradient reduction)
+        and FSDP2 (un-sharding) put on the module call run. The trained-token count that divides the sum is a
+        host int the data pipeline counted (Batch.num_target_tokens): no device read."""
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, attention_mask, max_seqlen)  # [B, T, D]
+        if targets is None:
+            return self.lm_head(hidden)
+        if self.loss_chunk_size is None:  # as transformers computes it: the [B, T, vocab] logits, then float32
+            logits = self.lm_head(hidden)
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                    chunk_size=self.loss_chunk_size, compiled=self.loss_compiled)
 
 
 def set_attention_backend(model: CausalLM, name: str) -> CausalLM:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from gapless.model.decoder import ROPE_TYPES, CausalLM, ModelArgs, RopeScaling
 
@@ -289,22 +291,22 @@ def _format_keys(keys: list[str], limit: int = 40) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               attn_backend: str = "sdpa") -> CausalLM:
-    """Load the HF checkpoint folder `path` as a CausalLM in `dtype` (default float32) on `device`, in eval mode."""
+def build(path: str | Path, attn_backend: str = "sdpa") -> CausalLM:
+    """The architecture of the checkpoint folder `path`, built on the meta device: no memory, no weights read.
+
+    Every key and shape of the safetensors headers is checked against config.json here, before any transform,
+    so a wrong folder fails before anything is allocated. `load_weights` fills the model once the method,
+    activation checkpointing and compile have transformed it (the order of gapless.train.assemble).
+    """
     folder = Path(path)
     config = read_config(folder)
     args = model_args_from_config(config, where=str(folder / "config.json"))
-    dtype = resolve_dtype(dtype, config)
     headers = read_weight_headers(folder)
-
-    with torch.device("meta"):  # parameters without storage: nothing is allocated until we assign
+    with torch.device("meta"):  # parameters without storage: nothing is allocated until load_weights assigns
         model = CausalLM(args, attn_backend=attn_backend)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if args.tie_word_embeddings:  # lm_head shares the embedding; checkpoints usually leave it out
-        del expected["lm_head.weight"]
+    expected = model.checkpoint_shapes
     found = {k for k in headers if not k.endswith(IGNORED_KEY_SUFFIXES)}
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings:  # lm_head shares the embedding; checkpoints usually leave it out
         found.discard("lm_head.weight")
     missing, unexpected = sorted(expected.keys() - found), sorted(found - expected.keys())
     if missing or unexpected:
@@ -315,19 +317,59 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     if wrong:
         raise ValueError(f"{folder}: the tensor shapes do not match config.json: {'; '.join(wrong[:20])}"
                          + (f"; ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""))
-
-    by_file: dict[Path, list[str]] = {}
-    for key in expected:
-        by_file.setdefault(headers[key][0], []).append(key)
-    state = {}
-    for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as st:
-            for key in keys:  # one tensor at a time: peak extra memory is one tensor, not a model
-                state[key] = st.get_tensor(key).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
-    model.tie_weights()
-    model.model.rotary_emb.reset_inv_freq(device)
-    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())), "a tensor was not loaded"
     model.config_dict = config
     model.source_dir = folder
+    return model
+
+
+# hook(key, tensor) -> True when it took the tensor (QLoRA quantises it into its layer's storage); else the
+# tensor is assigned to the parameter or buffer of that name
+LoadHook = Callable[[str, torch.Tensor], bool]
+
+
+def checkpoint_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for every checkpoint tensor of the folder `build` read, one at a time, file by file."""
+    headers = read_weight_headers(model.source_dir)
+    by_file: dict[Path, list[str]] = {}
+    for key in model.checkpoint_shapes:
+        by_file.setdefault(headers[key][0], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as st:
+            for key in keys:
+                yield key, st.get_tensor(key)
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+                 hook: LoadHook | None = None, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
+    """Stream the checkpoint's tensors into the model (`tensors`: another source of (key, tensor), e.g. random
+    weights for a benchmark; default the folder `build` read).
+
+    Each tensor is converted to `dtype` on `device`, offered to `hook`, else assigned in place of the meta tensor
+    of that name (keeping its requires_grad). Peak extra host memory is one tensor, never a model. Tensors the
+    checkpoint does not hold (LoRA's A and B) stay on the meta device for the method to initialise.
+    """
+    dtype = resolve_dtype(dtype, model.config_dict)
+    for key, tensor in checkpoint_tensors(model) if tensors is None else tensors:
+        tensor = tensor.to(device=device, dtype=dtype)
+        if hook is not None and hook(key, tensor):
+            continue
+        module_name, _, name = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = getattr(module, name)
+        if isinstance(old, nn.Parameter):
+            setattr(module, name, nn.Parameter(tensor, requires_grad=old.requires_grad))
+        else:
+            module.register_buffer(name, tensor)
+    model.tie_weights()
+    model.model.rotary_emb.reset_inv_freq(device)
+    return model
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               attn_backend: str = "sdpa") -> CausalLM:
+    """Load the HF checkpoint folder `path` as a CausalLM in `dtype` (default float32) on `device`, in eval mode:
+    `build` then `load_weights`, with no transform between them."""
+    model = load_weights(build(path, attn_backend), dtype if dtype is not None else torch.float32, device)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())), "a tensor was not loaded"
     return model.eval()

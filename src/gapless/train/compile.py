@@ -1,4 +1,4 @@
-"""torch.compile as a model transform: each decoder layer compiled in place."""
+"""torch.compile as a model transform: each decoder layer compiled in place, and the loss's per-chunk step."""
 from __future__ import annotations
 
 from torch import nn
@@ -20,6 +20,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     compile_kwargs.setdefault("dynamic", True)
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
+    model.loss_compiled = True  # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss)
     return model
 
 

@@ -10,7 +10,8 @@ import yaml
 from gapless.config import RunConfig, from_dict
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import load_model, resolve_dtype
-from gapless.model.lora import ADAPTER_CONFIG, apply_lora, load_adapter, merge_lora, save_adapter
+from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, save_adapter
+from gapless.model.method import method_of
 from gapless.train.checkpoint import latest_complete, load
 
 
@@ -60,12 +61,10 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
         model, lora_cfg = load_adapter(model, adapter_dir)
     else:
         tensors, _ = load(checkpoint)
+        method = method_of(cfg)
+        model = method.transform(model)
+        method.load_checkpoint_state(model, tensors["model"], str(checkpoint))
         lora_cfg = cfg.lora
-        apply_lora(model, lora_cfg)
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, t in tensors["model"].items():
-                params[name].copy_(t)
 
     if not merge:
         save_adapter(model, out, lora_cfg, base_model_name_or_path=str(base_path.resolve()))

@@ -1,23 +1,15 @@
-"""The one training loop. LoRA, QLoRA and full fine-tuning differ only in the model transform and in
-which parameters are trainable; everything else below is shared and reads top to bottom.
+"""The one training loop. LoRA, QLoRA and full fine-tuning differ only in the Method (gapless.model.method): its
+model transform, its trainable parameters and what the run saves; everything here is shared.
 
-The loss of an optimizer step is the mean over ALL trained tokens of its k micro-batches:
-    loss = sum_{micro} sum_{t trained} CE_t / N_step,   N_step = trained tokens of the whole step
-Each micro-batch contributes `loss_sum / N_step` to the gradient, so k micro-batches of ragged
-lengths give exactly the gradient of one batch holding the same tokens (not a mean of means).
-N_step is a host integer the data pipeline counted while building the batches: no device sync.
+`train(cfg)` reads top to bottom in four parts:
+    setup       the device, the run folder, the data, the model (gapless.train.assemble), optimizer, checkpoints
+    resume      the newest complete checkpoint, when asked
+    run_loop    the steps (gapless.train.step), logging windows (gapless.meter.window), checkpoints, evaluation
+    finish      the final evaluation, the method's final save, the report and the whole-run record
 
-Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read
-once per `train.log_every` steps (marked SYNC below).
-
-Tokens are counted three ways, all host integers from the data pipeline (never a device read):
-real tokens (documents' tokens, never padding), trained tokens (loss-bearing) and slot tokens (B * T
-of every batch, padding included). Throughput is always real tokens: per logged window over its wall
-time (`tokens_per_s`) and over its compute time (`compute_tokens_per_s`), and for the whole run in the
-last record (the final time record: real tokens / wall time from the start of `train` to its end). A
-window's rates leave out the run's first step (it compiles; startup), except in a window of that step alone.
-MFU per window: gapless.meter.flops.step_flops over the real document lengths / window wall time /
-the dense matmul peak measured at startup on this device in the model's dtype (formula in flops.py).
+Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read once per
+`train.log_every` steps (marked SYNC below). Tokens are host integers from the data pipeline; the whole run's
+throughput is the last record of metrics.jsonl: real tokens / wall time from the start of `train` to its end.
 """
 from __future__ import annotations
 
@@ -32,29 +24,19 @@ import torch
 import yaml
 
 from gapless.config import RunConfig, to_dict
-from gapless.data.batching import Batch
-from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import write_report
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
-from gapless.train.ckpt_activations import checkpoint_activations
-from gapless.train.compile import compile_layers, frames_not_compiled, not_compiled_message
+from gapless.meter.window import ThroughputWindow
+from gapless.model.method import Method, method_of
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
-from gapless.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from gapless.train.compile import frames_not_compiled, not_compiled_message
+from gapless.train.optim import build_optimizer, build_scheduler
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
-
-
-def batch_loss_sum(model, batch: Batch, compiled: bool = False,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
-    """Sum of the cross-entropy over the batch's trained tokens; full logits never exist.
-    `compiled`: the loss's per-chunk softmax/gradient step through torch.compile (GPU fast path);
-    `chunk_size`: tokens per chunk of the loss (its transient memory: gapless.kernels.loss)."""
-    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                                 batch.attention_mask, batch.max_seqlen)  # [B, T, D]
-    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch.targets.flatten(),
-                                chunk_size=chunk_size, compiled=compiled)
+from gapless.train.step import loss_sum, train_step
 
 
 def resolve_device(name: str, setting: str = "model.device") -> torch.device:
@@ -94,7 +76,7 @@ def evaluate(model, batches: list[Batch], device: torch.device) -> dict:
     total = torch.zeros((), dtype=torch.float32, device=device)
     tokens = 0
     for b in batches:
-        total += batch_loss_sum(model, b.to(device))
+        total += loss_sum(model, b.to(device))
         tokens += b.num_target_tokens
     model.train(was_training)
     return {"eval_loss": total.item() / max(tokens, 1), "eval_tokens": tokens}  # SYNC: once per eval
@@ -119,24 +101,6 @@ class RunResult:
     @property
     def steady_tokens_per_s(self) -> float:
         return self.steady_tokens / self.steady_s if self.steady_s > 0 else 0.0
-
-
-def apply_method(model, cfg: RunConfig):
-    """The fine-tuning method as a model transform; the loop below never branches on it."""
-    from gapless.model.lora import apply_lora
-
-    assert cfg.method == "lora", cfg.method
-    if cfg.lora.dropout > 0 and cfg.lora.kernel != "reference":
-        # each layer draws its own dropout mask on its input in training (as PEFT's do), which the grouped and
-        # fused kernels cannot share: those layers train on the per-layer formula (gapless.model.lora)
-        warnings.warn(f"lora.kernel={cfg.lora.kernel!r} applies in evaluation only: with lora.dropout="
-                      f"{cfg.lora.dropout:g} training runs the per-layer formula ('reference'); set lora.dropout "
-                      f"to 0 to train with {cfg.lora.kernel!r}", stacklevel=2)
-    return apply_lora(model, cfg.lora)
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
@@ -171,32 +135,37 @@ def open_metrics(path: Path, resumed_step: int):
     return open(path, "a")
 
 
-def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None) -> RunResult:
-    """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a simulated crash, or the
-    short measured window of `gapless gap`).
+@dataclass
+class Run:
+    """What the parts of one `train` call share."""
+    cfg: RunConfig
+    device: torch.device
+    timeline: Timeline
+    progress: Progress
+    run_dir: Path
+    tokenizer_dir: Path
+    method: Method
+    model: torch.nn.Module
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: BatchSampler
+    eval_batches: list[Batch]
+    steps_total: int
+    checkpoints: CheckpointManager
+    peak_flops: float
 
-    `out` receives the human-readable summary lines (stderr by default). `data`: (mix, eval_mix, summary)
-    prepared by the caller instead of reading cfg.data's sources (`gapless gap`'s synthetic full rows);
-    batching still follows cfg.data.
-    """
-    from gapless.data.batching import BatchSampler
+
+def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None) -> Run:
+    """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
     from gapless.data.tokenize import build_data
-    from gapless.model.export import copy_tokenizer_files
-    from gapless.model.loading import load_model
-    from gapless.model.lora import save_adapter
+    from gapless.model.loading import build
+    from gapless.train.assemble import assemble
 
-    device = resolve_device(cfg.model.device)
-    cfg, auto_note = resolve_auto(cfg, device)  # config.yaml below records what runs
-    timeline = Timeline(device)  # every second from here on goes to one category (gapless.meter.timeline)
-    timeline.begin("startup")
-    t_start = timeline.t0
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
-    progress = Progress(0, stream=out, enabled=cfg.progress)
-    if auto_note:
-        progress.message(auto_note)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
@@ -206,92 +175,70 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
 
-    # -- model: the plain checkpoint model, then the method's transform
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device, attn_backend=cfg.model.attn_backend)
-    model = apply_method(model, cfg)
-    if cfg.model.activation_checkpointing:
-        model = checkpoint_activations(model, every=cfg.model.activation_checkpointing)
-    if cfg.model.compile:
-        model = compile_layers(model)
-    frames_failed_before = frames_not_compiled()
-    model.train()
+    # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
+    method = method_of(cfg)
+    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
+                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
-    params = list(trainable_state(model).values())
+    params = list(method.trainable(model).values())
     optimizer = build_optimizer(params, cfg.optim, device.type)
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
-    ckpt_root = run_dir / "checkpoints"
-    checkpoints = CheckpointManager(ckpt_root, keep=cfg.checkpoint.keep, async_write=cfg.checkpoint.async_write)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                    async_write=cfg.checkpoint.async_write)
+    return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
+               sampler, eval_batches, steps_total, checkpoints, peak_flops)
 
-    step = 0
-    if cfg.resume:
-        latest = latest_complete(ckpt_root)
-        if latest is None:
-            progress.message(f"resume: no complete checkpoint in {ckpt_root}; starting from step 0")
-        else:
-            tensors, meta = load(latest)
-            missing = set(trainable_state(model)) - set(tensors["model"])
-            if missing:
-                raise ValueError(f"{latest}: the checkpoint lacks trainable tensors {sorted(missing)[:5]}; "
-                                 "was it written by a run with other method/lora settings?")
-            with torch.no_grad():
-                for name, p in trainable_state(model).items():
-                    p.copy_(tensors["model"][name])
-            optimizer.load_state_dict(tensors["optimizer"])
-            scheduler.load_state_dict(meta["scheduler"])
-            sampler.load_state_dict(meta["sampler"])
-            restore_rng_state(meta["rng"])  # last: nothing above may draw random numbers after it
-            step = int(meta["step"])
-            progress.message(f"resume: continuing after step {step} from {latest}")
 
-    result = RunResult(run_dir=run_dir, steps=steps_total)
-    progress.total = steps_total
-    metrics = open_metrics(run_dir / "metrics.jsonl", step)
-    batches = Prefetcher(sampler, device, timeline=timeline)
-    monitor = GpuMonitor(run_dir / "gpu.jsonl", device, t0=timeline.t0)
-    progress.message(monitor.status)
+def resume(run: Run) -> int:
+    """The step after which the newest complete checkpoint continues (0 when there is none)."""
+    root = run.run_dir / "checkpoints"
+    latest = latest_complete(root)
+    if latest is None:
+        run.progress.message(f"resume: no complete checkpoint in {root}; starting from step 0")
+        return 0
+    tensors, meta = load(latest)
+    run.method.load_checkpoint_state(run.model, tensors["model"], str(latest))
+    run.optimizer.load_state_dict(tensors["optimizer"])
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.sampler.load_state_dict(meta["sampler"])
+    restore_rng_state(meta["rng"])  # last: nothing above may draw random numbers after it
+    run.progress.message(f"resume: continuing after step {meta['step']} from {latest}")
+    return int(meta["step"])
+
+
+def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | None) -> int:
+    """Optimizer steps from `step` to the end of the run (or `stop_after` steps); returns the last step done."""
+    cfg, timeline, device = run.cfg, run.timeline, run.device
+    batches = Prefetcher(run.sampler, device, timeline=timeline)
+    monitor = GpuMonitor(run.run_dir / "gpu.jsonl", device, t0=timeline.t0)
+    run.progress.message(monitor.status)
     k = cfg.train.grad_accum
-    # device-side accumulators, read every log_every steps (the loop's only host sync)
-    window_loss = torch.zeros((), dtype=torch.float32, device=device)
-    window_tokens = window_real = window_slots = 0
-    window_flops = 0.0
-    # throughput counts the window's steps after the warm-up step (which compiles) over their time; a window
-    # holding only the warm-up step reports that step over its own time, compile included
-    timed_real, timed_flops = 0, 0.0
-    t_window = t_timed = time.perf_counter()
-    compute_mark = 0.0  # the timeline's compute seconds at the start of the window
+    window_loss = torch.zeros((), dtype=torch.float32, device=device)  # read every log_every steps
+    window = ThroughputWindow(run.peak_flops)
+    frames_failed_before = frames_not_compiled()
     steps_this_run = 0
-    t_steady = None
-    if eval_batches and cfg.model.compile:
+    t_steady = steady_mark = None
+    if run.eval_batches and cfg.model.compile:
         # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
         # stall the first evaluation mid-run (~20 s for a 1B model on an H200)
-        evaluate(model, eval_batches[:1], device)
+        evaluate(run.model, run.eval_batches[:1], device)
     timeline.end("startup")
     try:
-        while step < steps_total:
+        while step < run.steps_total:
             with timeline.phase("data_wait"):
                 micro = [batches.next() for _ in range(k)]  # already on the device
-            n_step = sum(b.num_target_tokens for b in micro)  # host ints counted by the data pipeline
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
-                for b in micro:
-                    loss_sum = batch_loss_sum(model, b, compiled=cfg.model.compile)
-                    (loss_sum / max(n_step, 1)).backward()
-                    window_loss += loss_sum.detach()
-                grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                loss, grad_norm = train_step(run.model, micro, run.params, run.optimizer, cfg.optim.grad_clip)
+                lr = run.scheduler.get_last_lr()[0]
+                run.scheduler.step()
+            window_loss += loss
             step += 1
             steps_this_run += 1
             real = sum(b.num_real_tokens for b in micro)
-            flops = sum(step_flops(model.args, b.doc_lengths, cfg.method, cfg.lora.r, cfg.lora.target_modules)
-                        for b in micro)
-            window_tokens += n_step
-            window_real += real
-            window_slots += sum(b.num_slots for b in micro)
-            window_flops += flops
+            window.add(real, sum(b.num_target_tokens for b in micro), sum(b.num_slots for b in micro),
+                       sum(step_flops(run.model.args, b.doc_lengths, **run.method.flops) for b in micro), warmup)
             result.real_tokens += real
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
@@ -300,94 +247,115 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
                     warnings.warn(not_compiled_message(failed), stacklevel=1)
                     write_metrics(metrics, {"kind": "compile", "step": step, "frames_not_compiled": failed,
                                             "message": not_compiled_message(failed)})
-                t_steady = t_timed = time.perf_counter()
+                t_steady = time.perf_counter()
                 steady_mark = timeline.summary()
-                compute_mark = steady_mark["compute"]
+                window.warmup_done(steady_mark["compute"])
             else:
                 result.steady_tokens += real
-                timed_real += real
-                timed_flops += flops
 
-            if step % cfg.train.log_every == 0 or step == steps_total:
+            if step % cfg.train.log_every == 0 or step == run.steps_total:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
-                loss = window_loss.item() / max(window_tokens, 1)  # SYNC: once per log_every steps
-                now = time.perf_counter()
-                if timed_real:
-                    tokens, flops, seconds = timed_real, timed_flops, max(now - t_timed, 1e-9)
-                else:  # the warm-up step alone
-                    tokens, flops, seconds = window_real, window_flops, max(now - t_window, 1e-9)
-                compute_s = timeline.summary()["compute"] - compute_mark
-                tok_s = tokens / seconds
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                          "real_tokens": window_real, "trained_tokens": window_tokens, "slot_tokens": window_slots,
-                          "padding_fraction": 1 - window_real / max(window_slots, 1), "tokens_per_s": tok_s,
-                          "compute_tokens_per_s": timed_real / compute_s if timed_real and compute_s > 0 else None,
-                          "mfu": flops / seconds / peak_flops, "tflops": flops / seconds / 1e12,
-                          "peak_tflops": peak_flops / 1e12, "elapsed_s": now - t_start}
+                loss_mean = window_loss.item() / max(window.trained, 1)  # SYNC: once per log_every steps
+                record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(),
+                          **window.record(timeline.summary()["compute"]),
+                          "elapsed_s": time.perf_counter() - timeline.t0}
                 write_metrics(metrics, record)
-                result.losses[step] = loss
-                progress.update(step, loss, tok_s, lr, record["mfu"])
+                result.losses[step] = loss_mean
+                run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
                 window_loss.zero_()
-                window_tokens = window_real = window_slots = timed_real = 0
-                window_flops = timed_flops = 0.0
                 write_metrics(metrics, timeline.record(step))
                 timeline.end("logging")
-                t_window = t_timed = time.perf_counter()
-                compute_mark = timeline.summary()["compute"]
+                window.start(timeline.summary()["compute"])
 
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps_total):
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == run.steps_total):
                 with timeline.phase("checkpoint"):
-                    checkpoints.save(step, {"model": trainable_state(model), "optimizer": optimizer.state_dict()},
-                                     {"step": step, "scheduler": scheduler.state_dict(), "sampler": batches.state,
-                                      "rng": capture_rng_state()})
+                    run.checkpoints.save(step, {"model": run.method.checkpoint_state(run.model),
+                                                "optimizer": run.optimizer.state_dict()},
+                                         {"step": step, "scheduler": run.scheduler.state_dict(),
+                                          "sampler": batches.state, "rng": capture_rng_state()})
 
-            if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps_total:
+            if run.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
+                    and step < run.steps_total:
                 timeline.settle()  # SYNC: queued training steps are compute, not evaluation
                 with timeline.phase("eval"):
-                    ev = evaluate(model, eval_batches, device)
-                write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
-                progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
+                    ev = evaluate(run.model, run.eval_batches, device)
+                write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
+                run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
             if stop_after is not None and steps_this_run >= stop_after:
                 break
     finally:
         batches.close()
         with timeline.phase("checkpoint"):
-            checkpoints.close()  # the last write in flight
+            run.checkpoints.close()  # the last write in flight
         monitor.close()
-        progress.close()
+        run.progress.close()
     timeline.settle()  # SYNC: the loop's last steps finish on the GPU before the steady window ends
     if t_steady is not None:
         result.steady_s = time.perf_counter() - t_steady
         now = timeline.summary()
         result.steady_seconds = {c: now[c] - steady_mark[c] for c in CATEGORIES}
+    return step
 
-    if step == steps_total:
-        if eval_batches:
+
+def finish(run: Run, step: int, result: RunResult, metrics) -> None:
+    """At the end of the run: the final evaluation and the method's final save. Then, whether the run ended or
+    stopped early, the report and the last record, which covers every second of the call."""
+    timeline, progress = run.timeline, run.progress
+    if step == run.steps_total:
+        if run.eval_batches:
             timeline.settle()
             with timeline.phase("eval"):
-                ev = evaluate(model, eval_batches, device)
-            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - t_start})
+                ev = evaluate(run.model, run.eval_batches, run.device)
+            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
             progress.message(f"final eval loss {ev['eval_loss']:.4f}")
-        final = run_dir / "adapter"
+        from gapless.model.export import copy_tokenizer_files
+
+        final = run.run_dir / run.method.final_name
         with timeline.phase("checkpoint"):
-            save_adapter(model, final, cfg.lora, base_model_name_or_path=str(Path(cfg.model.path).resolve()))
-            copy_tokenizer_files(tokenizer_dir, final)
+            run.method.save_final(run.model, final, Path(run.cfg.model.path))
+            copy_tokenizer_files(run.tokenizer_dir, final)
         result.final_dir = final
-        progress.message(f"adapter written to {final}")
+        progress.message(f"{run.method.final_name} written to {final}")
     # the report is part of the run: it is written inside the timeline, from metrics.jsonl plus the final
     # record that is written after it (so that record, the last line, covers every second of the call)
     with timeline.phase("logging"):
-        report = write_report(run_dir, pending=[_run_record(timeline.record(step, final=True), result)])
-    final = _run_record(timeline.record(step, final=True), result)
-    write_metrics(metrics, final)
-    metrics.close()
-    result.wall_s, result.seconds = final["wall_s"], final["seconds"]
-    result.tokens_per_s = final["tokens_per_s"]
-    progress.message(f"time: {format_summary({**final['seconds'], 'wall': final['wall_s']})}")
-    progress.message(f"throughput: {result.real_tokens:,} real tokens in {final['wall_s']:.1f} s = "
+        report = write_report(run.run_dir, pending=[_run_record(timeline.record(step, final=True), result)])
+    final_record = _run_record(timeline.record(step, final=True), result)
+    write_metrics(metrics, final_record)
+    result.wall_s, result.seconds = final_record["wall_s"], final_record["seconds"]
+    result.tokens_per_s = final_record["tokens_per_s"]
+    progress.message(f"time: {format_summary({**final_record['seconds'], 'wall': final_record['wall_s']})}")
+    progress.message(f"throughput: {result.real_tokens:,} real tokens in {final_record['wall_s']:.1f} s = "
                      f"{result.tokens_per_s:,.0f} real tokens/s over the whole run; report: {report}")
+
+
+def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None) -> RunResult:
+    """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a simulated crash, or the
+    short measured window of `gapless gap`).
+
+    `out` receives the human-readable summary lines (stderr by default). `data`: (mix, eval_mix, summary)
+    prepared by the caller instead of reading cfg.data's sources (`gapless gap`'s synthetic full rows);
+    batching still follows cfg.data.
+    """
+    device = resolve_device(cfg.model.device)
+    cfg, auto_note = resolve_auto(cfg, device)  # config.yaml records what runs
+    timeline = Timeline(device)  # every second from here on goes to one category (gapless.meter.timeline)
+    timeline.begin("startup")
+    progress = Progress(0, stream=out, enabled=cfg.progress)
+    if auto_note:
+        progress.message(auto_note)
+    run = setup(cfg, device, timeline, progress, data)
+    step = resume(run) if cfg.resume else 0
+    result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
+    progress.total = run.steps_total
+    metrics = open_metrics(run.run_dir / "metrics.jsonl", step)
+    try:
+        step = run_loop(run, step, result, metrics, stop_after)
+        finish(run, step, result, metrics)
+    finally:
+        metrics.close()
     return result
 
 

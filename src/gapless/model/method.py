@@ -1,0 +1,108 @@
+"""A fine-tuning method as one object: what the loop, export, bench and the meter ask, so none reads `cfg.lora`.
+
+A method says
+- `transform(model)`: the change to the plain model built on the meta device (LoRA swaps the targeted linears
+  for LoraLinear layers), and which parameters train (`requires_grad`);
+- `load_hook`: the per-tensor hook through which the checkpoint's weights stream in (None: plain assignment;
+  QLoRA quantises there), and `initialise(model, device)`: the tensors the checkpoint does not hold (LoRA's A
+  and B) materialised on the device and given their initial values;
+- `trainable(model)`: the parameters the optimizer updates, by name, in their training precision;
+- `flops`: the arguments of gapless.meter.flops.step_flops that count its useful FLOPs per step;
+- `checkpoint_state(model)` / `load_checkpoint_state(model, tensors)`: what a checkpoint holds (the trainable
+  tensors) and how a resume puts it back;
+- `final_name` and `save_final(...)`: what the end of a run writes (a PEFT adapter folder for LoRA).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from gapless.config import LoraConfig, RunConfig
+from gapless.model.loading import LoadHook
+from gapless.model.lora import LoraLinear, apply_lora, save_adapter
+
+
+class Method:
+    name: str
+    final_name: str  # the run folder's subfolder that `save_final` writes
+    load_hook: LoadHook | None = None
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def initialise(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Materialise and initialise what the checkpoint does not hold; after `load_weights`."""
+        return model
+
+    @property
+    def flops(self) -> dict:
+        raise NotImplementedError
+
+    def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Tensor]:
+        return self.trainable(model)
+
+    def load_checkpoint_state(self, model: nn.Module, tensors: dict[str, Tensor], where: str) -> None:
+        trainable = self.trainable(model)
+        missing = sorted(set(trainable) - set(tensors))
+        if missing:
+            raise ValueError(f"{where}: the checkpoint lacks trainable tensors {missing[:5]}; was it written by a run "
+                             f"with other method settings than {self.describe()}?")
+        with torch.no_grad():
+            for name, p in trainable.items():
+                p.copy_(tensors[name])
+
+    def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Lora(Method):
+    """LoRA (Hu et al. 2021) on the frozen base in the model's dtype; adapters in float32 (their matmuls run in the
+    activations' dtype: gapless.kernels.lora), saved as a PEFT adapter."""
+    name = "lora"
+    final_name = "adapter"
+
+    def __init__(self, cfg: LoraConfig):
+        self.cfg = cfg
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        if self.cfg.dropout > 0 and self.cfg.kernel != "reference":
+            # each layer draws its own dropout mask on its input in training (as PEFT's do), which the grouped and
+            # fused kernels cannot share: those layers train on the per-layer formula (gapless.model.lora)
+            warnings.warn(f"lora.kernel={self.cfg.kernel!r} applies in evaluation only: with lora.dropout="
+                          f"{self.cfg.dropout:g} training runs the per-layer formula ('reference'); set lora.dropout "
+                          f"to 0 to train with {self.cfg.kernel!r}", stacklevel=2)
+        return apply_lora(model, self.cfg)
+
+    def initialise(self, model: nn.Module, device: torch.device) -> nn.Module:
+        for layer in model.modules():
+            if isinstance(layer, LoraLinear) and layer.lora_A.weight.is_meta:
+                layer.lora_A.to_empty(device=device)
+                layer.lora_B.to_empty(device=device)
+                layer.reset_lora_parameters()
+        return model
+
+    @property
+    def flops(self) -> dict:
+        return {"method": "lora", "lora_r": self.cfg.r, "lora_targets": self.cfg.target_modules}
+
+    def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
+        return save_adapter(model, out, self.cfg, base_model_name_or_path=str(Path(base_model).resolve()))
+
+    def describe(self) -> str:
+        return f"lora r={self.cfg.r} alpha={self.cfg.alpha:g} on {','.join(self.cfg.target_modules)}"
+
+
+def method_of(cfg: RunConfig) -> Method:
+    """The Method that `cfg.method` names, with its settings."""
+    methods = {"lora": lambda: Lora(cfg.lora)}
+    assert cfg.method in methods, f"config.method {cfg.method!r} should have been refused by the config"
+    return methods[cfg.method]()

@@ -1,0 +1,54 @@
+"""Model assembly, in the one order every method and every number of GPUs needs (gapless ARCHITECTURE.md):
+
+    build on the meta device (no memory)  ->  the method's transform (LoRA / QLoRA / full)
+    ->  activation checkpointing  ->  compile (per decoder layer)  ->  (shard: DDP / FSDP2, with dist:)
+    ->  load weights: stream the safetensors through the method's per-tensor hook (QLoRA quantises there)
+    ->  the method initialises what the checkpoint does not hold (LoRA's A and B)
+
+Transforms run before any weight exists, so none of them copies a weight: QLoRA never holds a bf16 model, and
+a sharded model never holds an unsharded one. `gapless bench` assembles its random-weight models through the
+same function (`tensors`: random values in place of the checkpoint's).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from gapless.model.decoder import CausalLM
+from gapless.model.loading import load_weights
+from gapless.model.method import Method
+from gapless.train.ckpt_activations import checkpoint_activations
+from gapless.train.compile import compile_layers
+
+
+def assemble(model: CausalLM, method: Method, device: torch.device, dtype: torch.dtype | str, *,
+             activation_checkpointing: int = 0, compile: bool = False,
+             tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
+    """The model built on meta (gapless.model.loading.build), transformed, then loaded; in training mode."""
+    assert all(p.is_meta for p in model.parameters()), "assemble takes the model as built, on the meta device"
+    model = method.transform(model)
+    if activation_checkpointing:
+        model = checkpoint_activations(model, every=activation_checkpointing)
+    if compile:
+        model = compile_layers(model)
+    model = load_weights(model, dtype, device, hook=method.load_hook, tensors=tensors)
+    model = method.initialise(model, device)
+    unloaded = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not unloaded, f"tensors neither loaded nor initialised: {unloaded[:5]}"
+    return model.train()
+
+
+def random_tensors(model: CausalLM, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(key, tensor) for every checkpoint tensor with transformers' init (normal, std 0.02; norms 1; biases 0),
+    drawn on `device`: what a benchmark loads in place of weights on disk (random weights do the same work)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for key, shape in model.checkpoint_shapes.items():
+        tensor = torch.empty(shape, device=device, dtype=dtype)
+        if key.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif key.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)  # transformers' initializer_range
+        yield key, tensor

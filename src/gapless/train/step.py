@@ -1,0 +1,46 @@
+"""The one training step, shared by `gapless train`, `gapless bench` and bench/pipeline.py.
+
+The loss of an optimizer step is the mean over ALL trained tokens of its k micro-batches:
+    loss = sum_{micro} sum_{t trained} CE_t / N_step,   N_step = trained tokens of the whole step
+Each micro-batch contributes `loss_sum / N_step` to the gradient, so k micro-batches of ragged lengths give
+exactly the gradient of one batch holding the same tokens (not a mean of means). N_step is a host integer the
+data pipeline counted while building the batches: no device sync. The loss runs through the module call
+(`model(..., targets=...)`), so the hooks DDP and FSDP2 put there run.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gapless.data.batching import Batch
+from gapless.train.optim import clip_grad_norm
+
+
+def loss_sum(model, batch: Batch) -> torch.Tensor:
+    """The float32 sum of the cross-entropy over the batch's trained tokens, through the model's forward."""
+    return model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.attention_mask, batch.max_seqlen,
+                 targets=batch.targets)
+
+
+def train_step(model, micro: Sequence[Batch], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+               grad_clip: float, mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of each micro-batch, clipping, the update. Returns (the step's loss sum, the grad norm
+    before clipping), both on the device: nothing here reads them. `mark` (a benchmark's profiling pass) is called
+    after the forwards, the backwards and the update of a single micro-batch."""
+    n_step = max(sum(b.num_target_tokens for b in micro), 1)  # host ints counted by the data pipeline
+    total = None
+    for b in micro:
+        loss = loss_sum(model, b)
+        if mark is not None:
+            mark()
+        (loss / n_step).backward()
+        if mark is not None:
+            mark()
+        total = loss.detach() if total is None else total + loss.detach()
+    grad_norm = clip_grad_norm(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if mark is not None:
+        mark()
+    return total, grad_norm
