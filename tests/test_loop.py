@@ -25,7 +25,6 @@ from gapless.data.tokenize import build_data
 from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import apply_lora
-from gapless.model.method import method_of
 from gapless.train.loop import evaluate, total_steps, train
 from gapless.train.step import loss_sum
 from conftest import training_records
@@ -232,17 +231,6 @@ def test_evaluate_is_the_token_mean_and_keeps_the_mode(base, mix):
     assert model.training
     assert ev["eval_tokens"] == sum(b.num_target_tokens for b in batches)
     assert ev["eval_loss"] == pytest.approx(want, rel=1e-6)
-
-
-def test_dropout_with_a_fast_lora_kernel_warns(base):
-    """lora.dropout > 0 trains on the per-layer formula whatever lora.kernel says: the run says so."""
-    with pytest.warns(UserWarning, match="lora.kernel='grouped' applies in evaluation only"):
-        method_of(run_config(base, "warn", **{"lora.kernel": "grouped"})).transform(load_model(base["model"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        method_of(run_config(base, "quiet", **{"lora.kernel": "grouped", "lora.dropout": 0.0})).transform(
-            load_model(base["model"]))
-        method_of(run_config(base, "reference")).transform(load_model(base["model"]))  # dropout 0.1, kernel reference
 
 
 def test_total_steps(base):

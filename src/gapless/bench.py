@@ -107,12 +107,14 @@ class Recipe:
     # grouping (the trainer's default), so the ladder shows what each step is worth
     lora_kernel: str = "reference"
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
+    lora_dropout: float = 0.0
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
                          + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
-                         + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else []))
+                         + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
+                         + ([f"LoRA dropout {self.lora_dropout:g}"] if self.lora_dropout else []))
 
 
 CONFIGS = {
@@ -123,8 +125,9 @@ CONFIGS = {
     "packed_fused_flex": Recipe("packed", "flex", "fused"),
     "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
     "best": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped"),
-    # packed_fused_compile with LoRA as one autograd.Function (gapless.config.LoraKernel says what it measured)
-    "best_lora_fused": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="fused"),
+    # best with LoRA dropout 0.05 (the seed's recipe): grouped LoRA keeps one mask per group (gapless.kernels.lora)
+    "best_dropout": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped",
+                           lora_dropout=0.05),
     # the loss chunk before it was halved (kernels/loss.py): 1.4 GiB more at the step's peak, the same speed
     "best_loss_chunk4096": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped",
                                   loss_chunk=4096),
@@ -155,7 +158,7 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
                 seed: int = 0) -> tuple[CausalLM, Lora]:
     """The architecture with random weights (no checkpoint on disk), assembled as a run assembles its model
     (gapless.train.assemble: built on meta, LoRA, checkpointing, compile, then the weights), and the recipe's loss."""
-    method = Lora(LoraConfig(r=lora_r, kernel=recipe.lora_kernel))
+    method = Lora(LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout))
     with torch.device("meta"):
         model = CausalLM(args, attn_backend=recipe.attn)
     model = assemble(model, method, device, dtype, activation_checkpointing=int(recipe.checkpoint),

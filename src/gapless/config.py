@@ -27,12 +27,11 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #   "grouped"    the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up):
 #                each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
 #                479.9 ms per step against 497.3 for "reference" (varlen attention), 449.7 against 471.9 with
-#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default.
-#   "reference"  the plain formula autograd differentiates, one layer at a time.
-#   "fused"      the update added inside the base layer's GEMMs (one autograd.Function): 518.7 ms against 501.2
-#                for "reference" (run 20261203T144848Z-9d4119); torch.compile cannot fuse through it.
-# Training with dropout > 0 runs each layer on the plain formula: every layer draws its own mask, as PEFT's do.
-LoraKernel = Literal["fused", "grouped", "reference"]
+#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default. With dropout, one mask per group.
+#   "reference"  the plain formula autograd differentiates, one layer at a time (PEFT's: a mask per projection).
+# ("fused", the update inside the base GEMMs as one autograd.Function, measured slower, 518.7 ms against 501.2,
+# and was removed.)
+LoraKernel = Literal["grouped", "reference"]
 
 
 @dataclass

@@ -5,8 +5,8 @@ under the same names (so base keys stay HF's) and adds `lora_A`/`lora_B`, so our
 `model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`.
 The update is PEFT's: y = W x + b + scaling * B A dropout(x), scaling = alpha / r (alpha / sqrt(r)
 with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base. LoraConfig.kernel
-picks how it runs: fused into the base layer's GEMMs (gapless.kernels.lora), the plain formula, or the plain
-formula with one A matmul for the layers that read the same input (q/k/v, gate/up: LoraLinear.group_forward).
+picks how it runs: the plain formula one layer at a time, or with one A matmul (and one dropout mask) for the
+layers that read the same input (q/k/v, gate/up: LoraLinear.group_forward; gapless.kernels.lora).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
-from gapless.kernels.lora import lora_linear, lora_linear_grouped, lora_linear_reference
+from gapless.kernels.lora import lora_linear_grouped, lora_linear_reference
 from gapless.model.export import save_pretrained  # noqa: F401  (merged export, the step after merge_lora)
 from gapless.model.loading import PICKLE_SUFFIXES
 
@@ -52,8 +52,8 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = scaling
-        # "fused": gapless.kernels.lora.lora_linear; "reference": the plain formula autograd differentiates;
-        # "grouped": the plain formula, with the A matmuls of layers reading the same input as one (group_forward)
+        # "reference": the plain formula autograd differentiates, one layer at a time; "grouped": the same formula,
+        # with the A matmuls of layers reading the same input as one (group_forward)
         self.kernel = kernel
         self.reset_lora_parameters()
 
@@ -63,34 +63,24 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        # Dropout in training needs its mask in the backward, which the fused function does not save: that case
-        # takes the reference path (no warning: with dropout on, it is the only exact one; the config's comment
-        # says so). In eval nn.Dropout is the identity, and the kernel is fused.
-        if self.kernel == "fused" and not self.dropping:
-            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
-
-    @property
-    def dropping(self) -> bool:
-        """Dropout draws a mask on x now (training with dropout > 0): only the per-layer formula keeps it."""
-        return self.training and isinstance(self.lora_dropout, nn.Dropout)
 
     @staticmethod
     def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
         """The layers applied to the same x (the decoder's `project`): LoRA layers of kernel "grouped" share one
-        matmul for their A matrices (gapless.kernels.lora.lora_linear_grouped); any other layer runs alone. A
-        layer with dropout in training runs alone too: each draws its own dropout mask on x, as PEFT's do."""
+        matmul for their A matrices (gapless.kernels.lora.lora_linear_grouped) and, in training with dropout, one
+        dropout mask on x (the kernel's docstring says how that differs from PEFT's mask per projection); any other
+        layer runs alone."""
         # no id() or dicts of modules: under torch.compile they would make every decoder layer's graph its own
         # (guards on each module's identity) and past dynamo's recompile limit (8) the other layers run eager
-        joins = [isinstance(layer, LoraLinear) and layer.kernel == "grouped" and not layer.dropping
-                 for layer in layers]
+        joins = [isinstance(layer, LoraLinear) and layer.kernel == "grouped" for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
         outs = iter(lora_linear_grouped(
             x, [g.weight for g in grouped], [g.bias for g in grouped], [g.lora_A.weight for g in grouped],
-            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped]))
+            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped], dropout=grouped[0].lora_dropout))
         return [next(outs) if join else layer(x) for layer, join in zip(layers, joins)]
 
     def extra_repr(self) -> str:

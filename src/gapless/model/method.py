@@ -14,7 +14,6 @@ A method says
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -74,12 +73,6 @@ class Lora(Method):
         self.cfg = cfg
 
     def transform(self, model: nn.Module) -> nn.Module:
-        if self.cfg.dropout > 0 and self.cfg.kernel != "reference":
-            # each layer draws its own dropout mask on its input in training (as PEFT's do), which the grouped and
-            # fused kernels cannot share: those layers train on the per-layer formula (gapless.model.lora)
-            warnings.warn(f"lora.kernel={self.cfg.kernel!r} applies in evaluation only: with lora.dropout="
-                          f"{self.cfg.dropout:g} training runs the per-layer formula ('reference'); set lora.dropout "
-                          f"to 0 to train with {self.cfg.kernel!r}", stacklevel=2)
         return apply_lora(model, self.cfg)
 
     def initialise(self, model: nn.Module, device: torch.device) -> nn.Module:
