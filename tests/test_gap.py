@@ -27,7 +27,7 @@ from test_report import assert_png, images
 
 STEPS = 6  # measured steps per window (plus the warm-up step): ~0.5 s a window here
 FACTORS = ["real lengths", "gradient accumulation", "logging", "checkpoints", "evaluation", "data loading",
-           "precision"]
+           "start-up", "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,11 @@ def test_every_factor_measured_and_bars_sum(measured):
     assert by["evaluation"]["tokens_per_s"] == pytest.approx(tokens / step_s)
     step_s += (log["seconds"]["data_wait"] + log["seconds"]["h2d_copy"]) / STEPS
     assert by["data loading"]["tokens_per_s"] == pytest.approx(tokens / step_s)
+    # start-up: the logging window's, from its start to the end of its first step, over the run's steps
+    assert 0 < log["startup_s"] < sum(log["seconds"].values()) + 60
+    run_steps = int(by["start-up"]["setting"].split()[0])
+    step_s += log["startup_s"] / run_steps
+    assert by["start-up"]["tokens_per_s"] == pytest.approx(tokens / step_s)
     assert "amortised" in by["checkpoints"]["note"] and "from 2 written" in by["checkpoints"]["note"]
 
     # noise: the advertised window again, last; a fix only for a cost beyond it

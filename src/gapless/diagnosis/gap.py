@@ -16,6 +16,8 @@ advertised conditions and switching on the user's settings one at a time, cumula
   checkpoints      amortised, see below
   evaluation       amortised, see below (train.eval_every 0: one evaluation at the end, spread over the
                    run's steps)
+  start-up         amortised: the seconds from a window's start to the end of its first step (data from the
+                   token cache, the model, compile, the first step) spread over the run's steps
   data loading     the seconds the loop waited for its next batch (data_wait: the prefetch thread's
                    collation fell behind) plus the host-to-device copies (h2d_copy), per step; the stages
                    before leave them out
@@ -100,6 +102,7 @@ class Window:
     checkpoints: int = 0  # checkpoints written inside the steady part
     evals: int = 0
     padding: float = 0.0  # padding fraction of the slots (from the window's metrics record)
+    startup_s: float = 0.0  # from train()'s start to the end of its first step: data, model, compile, step 1
 
     @property
     def tokens_per_step(self) -> float:
@@ -197,7 +200,8 @@ class Runner:
         w = Window(name, str(folder), self.steps, result.steady_tokens, result.steady_seconds,
                    checkpoints=last // cfg.checkpoint.every if cfg.checkpoint.every else 0,
                    evals=sum("eval_loss" in r for r in records),
-                   padding=1 - sum(r["real_tokens"] for r in train_records) / slots if slots else 0.0)
+                   padding=1 - sum(r["real_tokens"] for r in train_records) / slots if slots else 0.0,
+                   startup_s=result.first_step_s or 0.0)
         self.windows.append(w)
         self.log(f"gap: window {len(self.windows)} ({name}): {w.tokens_per_step / w.step_s:,.0f} real tokens/s over "
                  f"{self.steps} steps of {w.step_s * 1e3:.1f} ms (stalls left out) in {folder}")
@@ -292,8 +296,8 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     logs = user.train.log_every < last
     ckpt_every = min(user.checkpoint.every, max(2, last // 2)) if user.checkpoint.every else 0
     has_eval = eval_mix is not None and len(eval_mix) > 0
+    run_steps = user.train.steps or total_steps(user, BatchSampler.from_config(d, mix).batches_per_epoch())
     if has_eval:  # the user's steps per evaluation: eval_every, or the whole run (one evaluation at its end)
-        run_steps = user.train.steps or total_steps(user, BatchSampler.from_config(d, mix).batches_per_epoch())
         eval_interval = user.train.eval_every or run_steps
     eval_every = min(eval_interval, last) if has_eval else 0  # one evaluation in the window, at its end
     run.train.log_every = min(user.train.log_every, last)
@@ -343,6 +347,14 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                  f"over {w.steps} steps)",
                  "no config setting: one prefetch thread collates the batches (gapless/train/prefetch.py) and fell "
                  "behind the steps")
+
+    # start-up, once per run: the latest window's, from train()'s start to the end of its first step (the token
+    # cache warm, as a second run finds it; this process's imports are not in it), over the run's steps
+    stages.stall("start-up", f"{run_steps} steps in the run", w.startup_s, run_steps,
+                 f"amortised: {w.startup_s:.1f} s from the start of the run to the end of its first step (data, "
+                 f"model, {'compile, ' if user.model.compile else ''}step 1) over the run's {run_steps} steps",
+                 "a longer run amortises it; a second run reuses the token cache"
+                 + (" and torch.compile's caches" if user.model.compile else ""))
 
     if user.model.dtype == base.model.dtype:
         stages.skipped("precision", f"model.dtype: {user.model.dtype}, as advertised" if device.type == "cuda"

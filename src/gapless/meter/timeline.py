@@ -63,6 +63,7 @@ The timeline is used from the training thread only (not thread-safe).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,16 +77,39 @@ LABELS = {"startup": "startup", "compute": "compute", "data_wait": "waiting for 
 GPU_TIMED = "compute"  # the phase whose GPU intervals are measured with CUDA events
 
 
+def process_start() -> float | None:
+    """The `time.perf_counter` reading at which this process started (before Python's own imports), from Linux's
+    /proc (start time in clock ticks since boot, 10 ms resolution) against /proc/uptime; None elsewhere.
+    `gapless train` starts its timeline there, so the whole-run record includes the interpreter and the imports
+    (about 3 s of torch and transformers on a CPU) and agrees with a clock outside the process."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces; fields after ")"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5), 0-based 19 here
+    except (OSError, ValueError, IndexError):
+        return None
+    age = uptime - started_after_boot
+    return time.perf_counter() - age if 0 <= age < 86400 * 365 else None
+
+
 class Timeline:
-    def __init__(self, device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
+                 t0: float | None = None):
+        """`t0`: the clock reading at which the run began (default now), e.g. `process_start()`; the time before
+        the timeline was made is startup."""
         self.clock = clock
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.t0 = clock()
-        self.started = round(time.time(), 3)  # names this session in the records (a resumed run starts another)
+        now = clock()
+        self.t0 = now if t0 is None or t0 > now else t0
+        # names this session in the records (a resumed run starts another)
+        self.started = round(time.time() - (now - self.t0), 3)
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self._stack: list[str] = []
-        self._mark = self.t0  # clock time up to which every second is already in `totals`
+        self.totals["startup"] = now - self.t0  # the process starting and importing, before the timeline existed
+        self._mark = now  # clock time up to which every second is already in `totals`
         # CUDA only, since the last settle: host segments (category, start, end) and the GPU
         # intervals of compute phases as (start event, end event)
         self._segments: list[tuple[str, float, float]] = []

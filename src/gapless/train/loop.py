@@ -96,6 +96,8 @@ class RunResult:
     steady_tokens: int = 0
     steady_s: float = 0.0
     steady_seconds: dict[str, float] = field(default_factory=dict)  # the timeline's categories in steady_s
+    # from the start of the run's clock to the end of its first optimizer step (settled on the GPU): start-up
+    first_step_s: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # the timeline's categories at the end
 
     @property
@@ -249,6 +251,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                             "message": not_compiled_message(failed)})
                 t_steady = time.perf_counter()
                 steady_mark = timeline.summary()
+                result.first_step_s = steady_mark["wall"]
+                run.progress.message(f"step 1 done {result.first_step_s:.1f} s after the start (start-up: "
+                                     "imports, data, model, compile, the first step)")
                 window.warmup_done(steady_mark["compute"])
             else:
                 result.steady_tokens += real
@@ -331,17 +336,20 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
                      f"{result.tokens_per_s:,.0f} real tokens/s over the whole run; report: {report}")
 
 
-def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None) -> RunResult:
+def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
+          started: float | None = None) -> RunResult:
     """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a simulated crash, or the
     short measured window of `gapless gap`).
 
     `out` receives the human-readable summary lines (stderr by default). `data`: (mix, eval_mix, summary)
     prepared by the caller instead of reading cfg.data's sources (`gapless gap`'s synthetic full rows);
-    batching still follows cfg.data.
+    batching still follows cfg.data. `started`: the time.perf_counter reading the run's clock starts from
+    (`gapless train`: the process start, gapless.meter.timeline.process_start); default now.
     """
     device = resolve_device(cfg.model.device)
     cfg, auto_note = resolve_auto(cfg, device)  # config.yaml records what runs
-    timeline = Timeline(device)  # every second from here on goes to one category (gapless.meter.timeline)
+    # every second from `started` on goes to one category (gapless.meter.timeline)
+    timeline = Timeline(device, t0=started)
     timeline.begin("startup")
     progress = Progress(0, stream=out, enabled=cfg.progress)
     if auto_note:
@@ -362,4 +370,4 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None)
 def _run_record(time_record: dict, result: RunResult) -> dict:
     """The final time record plus the run's totals: real tokens over the wall time of the whole call."""
     return {**time_record, "real_tokens": result.real_tokens,
-            "tokens_per_s": result.real_tokens / max(time_record["wall_s"], 1e-9)}
+            "tokens_per_s": result.real_tokens / max(time_record["wall_s"], 1e-9), "first_step_s": result.first_step_s}
