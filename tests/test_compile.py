@@ -64,3 +64,12 @@ def test_the_loop_warns_and_records_eager_frames(tmp_path, monkeypatch):
     assert [(r["step"], r["frames_not_compiled"]) for r in compile_records] == [(1, 3)]
     causes = [f.cause for f in findings(read_run(tmp_path / "run"))]
     assert "compiled layers partly eager" in causes
+
+
+def test_compile_layers_keeps_inductor_caches_in_gaplesss_cache_folder(monkeypatch, tmp_path):
+    from gapless.train.compile import COMPILE_CACHE, use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_compile_cache() == COMPILE_CACHE.expanduser()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice wins
+    assert use_compile_cache() == tmp_path
