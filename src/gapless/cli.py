@@ -220,6 +220,113 @@ def run_gap(args) -> int:
 COMMANDS.append(register_gap)
 
 
+def register_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="pre-flight checks of the machine and a config, each with its cost and fix",
+                       description="Check the environment (Python, torch, CUDA, driver, GPU, bf16, TF32, NCCL, fast "
+                                   "kernels, CPU cores, disk, HF and CUDA variables, tested versions) and, given a "
+                                   "config, the run (padding on your data, tokens per step, accumulation, checkpoint "
+                                   "and logging intervals, token cache, memory, precision, activation checkpointing, "
+                                   "compile). Exit code 1 when a finding is an error. See gapless/diagnosis/doctor.py.")
+    p.add_argument("config", nargs="?", help="the run's YAML config (optional: without it, the environment only)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
+    p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
+                   help="what differs between two run folders' environment.json and config.yaml")
+    p.add_argument("--nccl", action="store_true", help="all-reduce bandwidth across the visible GPUs, 1 MiB to 1 GiB "
+                   "(under torchrun, or spawning one process per GPU)")
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="--nccl's backend (gloo: CPU processes)")
+    p.add_argument("--procs", type=int, default=None, help="--nccl: processes to spawn (default: one per GPU; gloo 2)")
+    p.add_argument("--max-mib", type=int, default=1024, help="--nccl: the largest message in MiB (default 1024)")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(args) -> int:
+    import json
+
+    if args.compare:
+        from gapless.diagnosis.environment import compare_runs, format_comparison
+
+        cmp = compare_runs(*args.compare)
+        print(json.dumps(cmp, default=str) if args.json else format_comparison(cmp, *args.compare))
+        return 0
+    if args.nccl:
+        from gapless.diagnosis.nccl import MIB, expected_link, format_allreduce, run_allreduce
+
+        sizes = [MIB << i for i in range(12) if MIB << i <= args.max_mib * MIB]
+        result = run_allreduce(args.backend, args.procs, sizes)
+        if result.get("rank", 0) == 0:
+            link = expected_link() if args.backend == "nccl" else None
+            print(json.dumps(result) if args.json else format_allreduce(result, link))
+        return 0
+    from gapless.config import load_config
+    from gapless.diagnosis.doctor import diagnose, format_findings, to_json
+
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    result = diagnose(cfg)
+    print(to_json(result) if args.json else format_findings(result["findings"]))
+    return 1 if any(f.severity == "error" for f in result["findings"]) else 0
+
+
+def register_plan(sub) -> None:
+    p = sub.add_parser("plan", help="predict time, GPU-hours and scaling of a config on named GPUs",
+                       description="Predict the run's time to train, weights per GPU, scaling efficiency (DDP "
+                                   "gradient or FSDP2 parameter traffic over the link) and GPU-hours on each GPU "
+                                   "choice, and say where more GPUs stop paying. See gapless/diagnosis/plan.py.")
+    p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp2"],
+                   help="auto: FSDP2 when the weights take over half of one GPU, else DDP")
+    p.add_argument("--run", metavar="RUN", help="a run folder whose measured tokens/s replaces the stated figure")
+    p.add_argument("--measured", metavar="TOKS@GPU", help="a measured single-GPU rate, e.g. 34100@H200")
+    p.add_argument("--startup-s", type=float, default=None, help="start-up seconds (default 86, the H200 1B run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    import json
+
+    from gapless.config import load_config
+    from gapless.diagnosis.plan import format_plan, plan, plan_json
+
+    preds, workload = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
+                           run=args.run, measured=args.measured, startup_s=args.startup_s)
+    print(json.dumps(plan_json(preds, workload)) if args.json else format_plan(preds, workload))
+    return 0
+
+
+def register_compare_precision(sub) -> None:
+    p = sub.add_parser("compare-precision", help="the same steps under fp32, TF32 and bf16: loss differences, speed",
+                       description="Run the config for --steps optimizer steps with the same seeds and batches under "
+                                   "fp32 (TF32 off, the reference), TF32 on, bf16 (and fp16 once it has a loss "
+                                   "scaler); print the loss differences and tokens/s; write precision.html with the "
+                                   "curves. See gapless/diagnosis/precision.py.")
+    p.add_argument("config", help="the run's YAML config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (default 50)")
+    p.add_argument("--out", default="runs/compare-precision", metavar="DIR", help="where the runs and the page go")
+    p.add_argument("--variants", default="fp32,tf32,bf16,fp16", help="comma-separated subset of fp32,tf32,bf16,fp16")
+    p.set_defaults(func=run_compare_precision)
+
+
+def run_compare_precision(args) -> int:
+    from gapless.diagnosis.precision import VARIANTS, compare_precision, format_comparison
+
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: {unknown} not among {list(VARIANTS)}")
+    result = compare_precision(args.config, args.overrides, steps=args.steps, out=args.out, variants=variants,
+                               log=lambda line: print(line, flush=True))
+    print(format_comparison(result))
+    print(f"wrote {args.out}/precision.html")
+    return 0
+
+
+COMMANDS += [register_doctor, register_plan, register_compare_precision]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

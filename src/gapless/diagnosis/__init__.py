@@ -1,2 +1,3 @@
-"""Diagnosis above the loop: `gapless gap` (what each setting costs), and the preflight doctor, the sizing plan
-and the precision comparison. This package runs training (gapless.train); nothing below it imports it."""
+"""Diagnosis above the loop: `gapless gap` (what each setting costs), and the preflight doctor (`gapless doctor`:
+checks, the environment record, `--compare`, `--nccl`), the sizing plan (`gapless plan`) and the precision
+comparison (`gapless compare-precision`). This package runs training (gapless.train); nothing below it imports it."""

@@ -1,0 +1,155 @@
+"""`gapless compare-precision CONFIG --steps N`: does the faster precision change training?
+
+The same config, seeds and batches (train.seed and data.seed fix the LoRA init and the batch order) run N steps
+under each precision, logging every step:
+  fp32   model.dtype float32, TF32 off (torch.backends.cuda.matmul.allow_tf32 = False, cuDNN too): the reference
+  tf32   model.dtype float32, TF32 on (NVIDIA GPUs of compute capability 8.0+; the CPU has no TF32: same as fp32)
+  bf16   model.dtype bfloat16
+  fp16   needs a loss scaler, which gapless does not have until methods: (issue 14) lands: reported as not
+         available rather than run without one
+Per variant: the loss curve, its largest and final difference from the reference (absolute and relative), and the
+steady real tokens/s (gapless.train.loop.RunResult). One HTML page with the curves and the differences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import typing
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from gapless.config import RunConfig, load_config
+
+VARIANTS = ("fp32", "tf32", "bf16", "fp16")
+FP16_MISSING = "not available yet: gapless has no fp16 loss scaler until methods: (issue 14) lands"
+
+
+def fp16_supported() -> bool:
+    """True once a config can ask for fp16 with loss scaling (a field naming a loss scale, anywhere in RunConfig)."""
+    def names(cls):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from names(hints[f.name])
+    return any("loss_scal" in n for n in names(RunConfig))
+
+
+@contextmanager
+def tf32(enabled: bool):
+    """TF32 for matmuls and cuDNN convolutions, restored afterwards (the flags are process-global)."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def variant_overrides(name: str, steps: int, out: Path) -> list[str]:
+    dtype = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]
+    return [f"model.dtype={dtype}", f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
+            "checkpoint.every=0", "resume=false", "progress=false", f"output_dir={out / name}"]
+
+
+def compare_precision(config: str | Path | None, overrides: list[str] = (), *, steps: int = 50,
+                      out: str | Path = "runs/compare-precision", variants: tuple[str, ...] = VARIANTS,
+                      data: dict | None = None, log=None) -> dict:
+    """Run each variant for `steps` optimizer steps; returns the comparison (also written to out/precision.json
+    and out/precision.html). `data`: a config dict instead of a file (tests)."""
+    from gapless.train.loop import train
+
+    log = log or (lambda s: None)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    gpu = torch.cuda.is_available()
+    for name in variants:
+        if name == "fp16" and not fp16_supported():
+            rows.append({"variant": name, "status": FP16_MISSING})
+            log(f"{name}: {FP16_MISSING}")
+            continue
+        cfg = load_config(config, [*overrides, *variant_overrides(name, steps, out)], data=data)
+        note = "" if gpu or name != "tf32" else "the CPU has no TF32: the same computation as fp32"
+        if name == "bf16" and (not gpu or cfg.model.device == "cpu"):
+            note = "bf16 on the CPU: correct but slow (no bf16 matmul units on most CPUs)"
+        with tf32(name == "tf32"), open(out / f"{name}.log", "w") as stream:
+            result = train(cfg, out=stream)
+        rows.append({"variant": name, "status": "ran", "note": note, "dtype": cfg.model.dtype,
+                     "losses": {int(k): v for k, v in result.losses.items()},
+                     "tokens_per_s": result.steady_tokens_per_s})
+        log(f"{name}: final loss {result.losses[max(result.losses)]:.4f}, {result.steady_tokens_per_s:,.0f} "
+            "real tokens/s")
+    ref = next((r for r in rows if r["variant"] == "fp32" and r["status"] == "ran"), None)
+    for r in rows:
+        if r["status"] != "ran" or ref is None:
+            continue
+        steps_common = sorted(set(r["losses"]) & set(ref["losses"]))
+        diffs = [r["losses"][s] - ref["losses"][s] for s in steps_common]
+        rel = [abs(d) / abs(ref["losses"][s]) for d, s in zip(diffs, steps_common)]
+        r["max_abs_diff"] = max(map(abs, diffs)) if diffs else 0.0
+        r["max_rel_diff"] = max(rel) if rel else 0.0
+        r["final_diff"] = diffs[-1] if diffs else 0.0
+        r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else None
+    result = {"config": str(config) if config else None, "steps": steps, "device": "cuda" if gpu else "cpu",
+              "variants": rows}
+    (out / "precision.json").write_text(json.dumps(result, indent=2))
+    write_page(result, out / "precision.html")
+    return result
+
+
+def format_comparison(result: dict) -> str:
+    lines = [f"{'variant':<8} {'tokens/s':>10} {'speed':>7} {'final loss':>10} {'max |diff|':>10} "
+             f"{'max rel':>8}  note"]
+    for r in result["variants"]:
+        if r["status"] != "ran":
+            lines.append(f"{r['variant']:<8} {r['status']}")
+            continue
+        final = r["losses"][max(r["losses"])]
+        speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        lines.append(f"{r['variant']:<8} {r['tokens_per_s']:>10,.0f} {speed:>7} {final:>10.4f} "
+                     f"{r.get('max_abs_diff', 0):>10.2e} {r.get('max_rel_diff', 0):>8.2%}  {r.get('note', '')}")
+    lines.append(f"differences are against fp32 with TF32 off at the same step, over {result['steps']} steps with "
+                 "the same seeds and batches")
+    return "\n".join(lines)
+
+
+def plot(result: dict) -> bytes:
+    from gapless.meter.report import WIDE, _figure, _png
+
+    fig, (ax, dx) = _figure(height=5.6, width=WIDE, rows=2)
+    ran = [r for r in result["variants"] if r["status"] == "ran"]
+    ref = next((r for r in ran if r["variant"] == "fp32"), None)
+    for r in ran:
+        steps = sorted(r["losses"])
+        ax.plot(steps, [r["losses"][s] for s in steps], lw=1.3, label=r["variant"])
+        if ref is not None and r is not ref:
+            common = [s for s in steps if s in ref["losses"]]
+            dx.plot(common, [r["losses"][s] - ref["losses"][s] for s in common], lw=1.2, label=r["variant"])
+    ax.set_ylabel("loss", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    dx.axhline(0.0, color="#888", lw=0.8)
+    dx.set_ylabel("loss - fp32 loss", fontsize=9)
+    dx.set_xlabel("step", fontsize=9)
+    dx.legend(fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def write_page(result: dict, path: Path) -> Path:
+    from gapless.meter.report import CSS, _img
+
+    title = f"gapless compare-precision: {result['config'] or 'config'} ({result['steps']} steps, {result['device']})"
+    table = html.escape(format_comparison(result))
+    path.write_text(f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
+<body><main><h1>{html.escape(title)}</h1><figure>{_img(plot(result), "loss curves")}</figure>
+<pre>{table}</pre></main></body></html>
+""", encoding="utf-8")
+    return path

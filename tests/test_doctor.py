@@ -1,0 +1,281 @@
+"""`gapless doctor`: every check fires on a bad setting and stays quiet on a good one.
+
+Environment checks read an environment record, so each test edits a copy of a clean record (a fake H200 machine
+or this CPU) instead of the machine; config checks get a config and the facts the doctor would measure. The end
+to end tests run the doctor on the demo's tiny model and data: a good config gives no warning or error, exit 0;
+a broken one exits 1; `--json` is one object whose findings have ids; the quick checks `gapless train` calls run
+without data.
+"""
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from gapless import demo_task
+from gapless.cli import main
+from gapless.config import load_config
+from gapless.demo import write_base_model
+from gapless.diagnosis import doctor as d
+from gapless.diagnosis.environment import environment_record
+
+H200 = {"index": 0, "name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0", "sms": 132, "bf16": True,
+        "memory_fraction": 1.0}
+
+
+def gpu_env(**changes) -> dict:
+    """A clean record of a one-H200 machine; `changes` are dotted keys, e.g. {"torch_flags.tf32_matmul": False}."""
+    env = {"python": "3.11.7", "cpu_count": 16, "packages": {"torch": "2.11.0+cu130", "transformers": "4.57.0",
+                                                              "peft": "0.17.0"},
+           "kernels": {"flash-attn-4": "ok", "liger-kernel": "ok", "bitsandbytes": "ok"},
+           "gpu": {"torch_cuda": "13.0", "cuda_available": True, "nvidia_smi": "/usr/bin/nvidia-smi", "cudnn": 91000,
+                   "nccl": "2.27.7", "driver": "580.65", "gpus": [dict(H200)], "nvlinks_gpu0": 18},
+           "torch_flags": {"tf32_matmul": True, "tf32_cudnn": True, "float32_matmul_precision": "high",
+                           "cudnn_benchmark": False, "cudnn_deterministic": False, "deterministic_algorithms": False,
+                           "threads": 16},
+           "env": {}, "gapless": {"path": "/x", "commit": "a" * 40, "dirty": False, "install": "editable"}}
+    for key, value in changes.items():
+        node = env
+        *parts, last = key.split(".")
+        for p in parts:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[last] = value
+    return env
+
+
+def cpu_env() -> dict:
+    env = gpu_env()
+    env["gpu"] = {"torch_cuda": None, "cuda_available": False, "nvidia_smi": None, "cudnn": None, "nccl": None,
+                  "driver": None, "gpus": []}
+    return env
+
+
+def severities(findings) -> dict[str, str]:
+    return {f.id: f.severity for f in findings}
+
+
+def bad(findings) -> list:
+    return [f for f in findings if f.severity in ("warning", "error")]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's tiny model and 300 examples; a good CPU config for it (packed, float32)."""
+    root = tmp_path_factory.mktemp("doctor")
+    model = write_base_model(root / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(300, seed=1), root / "data" / "train.jsonl")
+    raw = {"model": {"path": str(model), "dtype": "float32", "device": "cpu"},
+           "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
+                    "tokens_per_batch": 256, "batching": "packed", "cache_dir": str(root / "cache"), "num_workers": 0},
+           "lora": {"r": 4, "alpha": 8}, "checkpoint": {"every": 50}, "train": {"steps": 100, "log_every": 10},
+           "output_dir": str(root / "run")}
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return SimpleNamespace(root=root, path=path, raw=raw)
+
+
+def cfg_of(demo, *overrides):
+    return load_config(demo.path, list(overrides))
+
+
+# ---------------------------------------------------------------------------------------------
+# environment checks
+
+
+def test_clean_gpu_machine_has_no_serious_environment_finding(demo):
+    cfg = cfg_of(demo, "model.dtype=bfloat16", "model.device=auto")
+    env = gpu_env()
+    found = [f for check in d.ENV_CHECKS if check is not d.check_versions for f in check(env, cfg)]
+    found += d.check_versions(env, ranges={"torch": ">=2.5,<2.15", "transformers": ">=4.45", "peft": ">=0.13"})
+    assert bad(found) == [], d.format_findings(bad(found))
+
+
+@pytest.mark.parametrize("check, change, fid, severity", [
+    (d.check_python, {"python": "3.9.18"}, "env.python", "error"),
+    (d.check_gpu, {"gpu.cuda_available": False, "gpu.gpus": []}, "env.cuda", "error"),  # nvidia-smi, no CUDA
+    (d.check_bf16, {"gpu.gpus.0.capability": "7.5"}, "env.bf16", "error"),
+    (d.check_determinism, {"torch_flags.deterministic_algorithms": True}, "env.determinism", "warning"),
+    (d.check_nccl, {"gpu.nccl": None}, "env.nccl", "warning"),
+    (d.check_workers, {"cpu_count": 2}, "env.workers", "warning"),
+    (d.check_launch_blocking, {"env": {"CUDA_LAUNCH_BLOCKING": "1"}}, "env.launch_blocking", "error"),
+    (d.check_memory_fraction, {"gpu.gpus.0.memory_fraction": 0.5}, "env.memory_fraction", "warning"),
+    (d.check_alloc_conf, {"env": {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.8"}},
+     "env.alloc_conf", "warning"),
+    (d.check_debug_vars, {"env": {"TORCH_COMPILE_DISABLE": "1"}}, "env.debug", "warning"),
+    (d.check_nccl_vars, {"env": {"NCCL_P2P_DISABLE": "1"}}, "env.nccl_var.NCCL_P2P_DISABLE", "warning"),
+    (d.check_kernels, {"kernels.flash-attn-4": "ModuleNotFoundError: flash_attn"}, "env.kernel.flash-attn-4", "error"),
+    (d.check_install, {"gapless.dirty": True}, "env.install", "info"),
+    (d.check_hf_offline, {"env": {"HF_HUB_OFFLINE": "1"}}, "env.hf_offline", "info"),
+])
+def test_each_environment_check_fires(demo, check, change, fid, severity):
+    cfg = cfg_of(demo, "model.dtype=bfloat16", "model.device=auto", "model.attn_backend=fa4_op",
+                 "data.num_workers=8")
+    clean = severities(check(gpu_env(), cfg))
+    assert clean.get(fid, "ok") in ("ok", "info"), clean
+    found = severities(check(gpu_env(**change), cfg))
+    assert found[fid] == severity, found
+
+
+def test_workers_within_the_cores_is_clean(demo):
+    assert severities(d.check_workers(gpu_env(), cfg_of(demo, "data.num_workers=8")))["env.workers"] == "ok"
+
+
+def test_tf32_off_matters_only_for_a_float32_model(demo):
+    off = gpu_env(**{"torch_flags.tf32_matmul": False, "torch_flags.float32_matmul_precision": "highest"})
+    f32 = cfg_of(demo, "model.device=auto")
+    (finding,) = d.check_tf32(off, f32)
+    assert finding.severity == "warning" and "12.5%" in finding.cost and "bfloat16" in finding.fix
+    assert d.check_tf32(off, cfg_of(demo, "model.dtype=bfloat16", "model.device=auto"))[0].severity == "ok"
+    assert d.check_tf32(gpu_env(), f32)[0].severity == "info"
+
+
+def test_versions_outside_the_tested_range():
+    ranges = {"torch": ">=2.5,<2.15", "transformers": ">=4.45", "peft": ">=0.13"}
+    assert bad(d.check_versions(gpu_env(), ranges=ranges)) == []
+    old = gpu_env(**{"packages.torch": "2.3.1+cu121", "packages.transformers": "4.40.0"})
+    found = severities(d.check_versions(old, ranges=ranges))
+    assert found["env.version.torch"] == "warning" and found["env.version.transformers"] == "warning"
+    missing = gpu_env(packages={"torch": "2.11.0", "transformers": "4.57.0"})
+    assert severities(d.check_versions(missing, ranges=ranges))["env.version.peft"] == "info"
+
+
+def test_cpu_machine_says_no_gpu_and_runs_the_rest(demo):
+    cfg = cfg_of(demo)
+    found = [f for check in d.ENV_CHECKS for f in check(cpu_env(), cfg)]
+    by_id = {f.id: f for f in found}
+    for fid in ("env.cuda", "env.bf16", "env.tf32", "env.nccl", "env.memory_fraction"):
+        assert by_id[fid].severity == "info" and d.NO_GPU in by_id[fid].detail, by_id[fid]
+    assert by_id["env.python"].severity == "ok" and "env.launch_blocking" in by_id
+
+
+def test_disk_too_small_is_an_error(tmp_path):
+    assert d.check_disk(tmp_path, 1 << 20, 5e8)[0].severity == "ok"
+    (f,) = d.check_disk(tmp_path, 1 << 62, 5e8)
+    assert f.severity == "error" and "output_dir" in f.fix
+    assert d.measure_write_speed(tmp_path, 2 << 20) > 0 and not list(tmp_path.iterdir())  # the probe cleans up
+
+
+def test_alloc_conf_is_explained():
+    (f,) = d.check_alloc_conf(gpu_env(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
+    assert f.severity == "info" and "fragmentation" in f.detail
+
+
+# ---------------------------------------------------------------------------------------------
+# config checks
+
+
+def test_batching_padding_predicted_and_priced(demo):
+    cfg = cfg_of(demo, "data.batching=pad_to_max")
+    (f,) = d.check_batching(cfg, {"pad_to_max": 0.40, "packed": 0.98})
+    assert f.severity == "warning" and f.cost.startswith("59%") and f.fix == "data.batching: packed"
+    assert d.check_batching(cfg_of(demo), {"packed": 0.98})[0].severity == "ok"
+
+
+def test_tokens_per_step_math_and_a_wasted_budget(demo):
+    (f,) = d.check_tokens_per_step(cfg_of(demo, "train.grad_accum=4"), 0.9, gpus=8)
+    assert f.severity == "info" and "256 slots x 4 accumulation x 8 GPU(s) = 8,192 slots" in f.detail
+    (f,) = d.check_tokens_per_step(cfg_of(demo, "data.tokens_per_batch=300"), 0.9)
+    assert f.severity == "warning" and "256 slots" in f.detail and f.cost.startswith("15%")
+
+
+def test_accumulation_over_single_rows(demo):
+    (f,) = d.check_accumulation(cfg_of(demo, "data.tokens_per_batch=64", "train.grad_accum=16"))
+    assert f.severity == "warning" and "data.tokens_per_batch: 1024" in f.fix
+    assert d.check_accumulation(cfg_of(demo, "train.grad_accum=2"))[0].severity == "ok"
+
+
+def test_checkpoint_interval_against_step_and_write_time(demo):
+    # 50 MB per checkpoint written synchronously at 100 MB/s = 0.5 s, every 10 steps of 0.2 s: 25% of the run
+    cfg = cfg_of(demo, "checkpoint.every=10", "checkpoint.async_write=false")
+    (f,) = d.check_checkpoint(cfg, 0.2, 50_000_000, 100e6, 1000)
+    assert f.severity == "warning" and f.cost == "25.0% of throughput"
+    assert "checkpoint.every: 500" in f.fix  # 0.5 s / (500 x 0.2 s) = 0.5% <= 1%
+    ok = cfg_of(demo, "checkpoint.every=500")
+    assert d.check_checkpoint(ok, 0.2, 50_000_000, 100e6, 1000)[0].severity == "ok"
+    # no checkpoints in a run predicted at 2.8 h
+    (f,) = d.check_checkpoint(cfg_of(demo, "checkpoint.every=0"), 10.0, 0, 100e6, 1000)
+    assert f.severity == "warning" and "2.8 h" in f.detail and f.fix == "checkpoint.every: 100"
+    # without a step time the stall is not predicted, and says why
+    assert "not predicted" in d.check_checkpoint(ok, None, 50_000_000, 100e6, 1000)[0].detail
+
+
+def test_logging_every_step(demo):
+    (f,) = d.check_logging(cfg_of(demo, "train.log_every=1"))
+    assert f.severity == "warning" and f.cost.startswith("1.0%") and f.fix == "train.log_every: 10"
+    assert d.check_logging(cfg_of(demo))[0].severity == "ok"
+
+
+def test_cold_cache_is_reported_with_its_time():
+    src = lambda cache, s: SimpleNamespace(cache=cache, seconds=s)  # noqa: E731
+    (f,) = d.check_cache(SimpleNamespace(sources=[src("miss", 42.0), src("hit", 0.1)]))
+    assert f.severity == "info" and "42.0 s" in f.detail
+    assert d.check_cache(SimpleNamespace(sources=[src("hit", 0.1)]))[0].severity == "ok"
+
+
+def test_memory_weights_that_do_not_fit(demo):
+    cfg = cfg_of(demo, "model.dtype=bfloat16", "model.device=auto")
+    (f,) = d.check_memory(cfg, gpu_env(), 80_000_000_000)  # 80 B parameters x 2 bytes = 149 GiB > 139.8
+    assert f.severity == "error"
+    (f,) = d.check_memory(cfg, gpu_env(), 3_000_000_000)
+    assert f.severity == "info" and "needs methods:" in f.detail
+
+
+def test_precision(demo):
+    (f,) = d.check_precision(cfg_of(demo, "model.device=auto"), gpu_env())
+    assert f.severity == "warning" and "bfloat16" in f.fix
+    assert d.check_precision(cfg_of(demo, "model.dtype=float16"), gpu_env())[0].severity == "warning"
+    assert d.check_precision(cfg_of(demo, "model.dtype=bfloat16", "model.device=auto"), gpu_env())[0].severity == "ok"
+    assert d.check_precision(cfg_of(demo), cpu_env())[0].severity == "ok"
+
+
+def test_activation_checkpointing_costs_a_third(demo):
+    (f,) = d.check_activation_checkpointing(cfg_of(demo, "model.activation_checkpointing=1"))
+    assert f.severity == "warning" and f.cost.startswith("33%")
+    assert d.check_activation_checkpointing(cfg_of(demo))[0].severity == "ok"
+
+
+def test_compile_off_on_a_gpu(demo):
+    (f,) = d.check_compile(cfg_of(demo, "model.compile=false", "model.device=auto"), gpu_env())
+    assert f.severity == "warning" and f.cost.startswith("28%")
+    assert d.check_compile(cfg_of(demo, "model.compile=false"), cpu_env())[0].severity == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# the doctor end to end, on this machine
+
+
+def test_good_config_is_clean_and_json_has_ids(demo, capsys):
+    result = d.diagnose(cfg_of(demo))
+    assert bad(result["findings"]) == [], d.format_findings(bad(result["findings"]))
+    ids = {f.id for f in result["findings"]}
+    assert {"cfg.batching", "cfg.cache", "cfg.checkpoint", "cfg.logging", "env.disk", "env.cuda"} <= ids
+    assert 0.7 < result["facts"]["packing_efficiency"]["packed"] <= 1.0  # 300 short chats, a partial last batch
+    assert main(["doctor", str(demo.path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["errors"] == 0 and all(f["id"] and f["severity"] in d.SEVERITIES for f in out["findings"])
+    assert {"id", "severity", "detail", "cost", "fix"} == set(out["findings"][0])
+
+
+def test_padding_predicted_on_the_users_data_and_error_exit(demo, capsys):
+    result = d.diagnose(cfg_of(demo, "data.batching=pad_to_max"), probe_disk=False)
+    (f,) = [f for f in result["findings"] if f.id == "cfg.batching"]
+    eff = result["facts"]["packing_efficiency"]
+    assert f.severity == "warning" and eff["pad_to_max"] < eff["packed"] - 0.3  # short chats in 64-token rows
+    assert main(["doctor", str(demo.path), "model.path=" + str(demo.root / "missing")]) == 1
+    assert "cfg.model" in capsys.readouterr().out
+
+
+def test_quick_checks_need_no_data(demo):
+    cfg = cfg_of(demo, "train.log_every=1", "data.sources.0.path=/nonexistent.jsonl")  # never read
+    found = d.quick_checks(cfg, cpu_env())
+    assert [f.id for f in d.serious(found)] == ["cfg.logging"]
+    assert not any(f.id.startswith("cfg.batching") for f in found)
+
+
+def test_real_environment_record_feeds_the_checks(demo):
+    env = environment_record(probe_kernels=False)
+    found = [f for check in d.ENV_CHECKS for f in check(env, cfg_of(demo))]
+    assert {"env.python", "env.cuda", "env.versions" if not d.tested_ranges() else "env.version.torch"} <= \
+        {f.id for f in found}
+    assert copy.deepcopy(env) == json.loads(json.dumps(env))  # the record is plain JSON
