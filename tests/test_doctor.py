@@ -279,3 +279,16 @@ def test_real_environment_record_feeds_the_checks(demo):
     assert {"env.python", "env.cuda", "env.versions" if not d.tested_ranges() else "env.version.torch"} <= \
         {f.id for f in found}
     assert copy.deepcopy(env) == json.loads(json.dumps(env))  # the record is plain JSON
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_gpu_checks_run(demo):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = environment_record()
+    found = {f.id: f for check in d.ENV_CHECKS for f in check(env, cfg_of(demo, "model.dtype=bfloat16",
+                                                                          "model.device=auto"))}
+    assert found["env.cuda"].severity == "ok" and d.NO_GPU not in found["env.bf16"].detail
+    assert found["env.nccl"].severity == "ok"

@@ -101,16 +101,22 @@ EFFICIENCY_FLOOR = 0.8  # below this, an extra GPU buys less than 80% of a GPU's
 
 def parse_gpus(spec: str) -> list[tuple[Gpu, int]]:
     """"GB10,H100,H100x8" -> [(GB10, 1), (H100, 1), (H100, 8)]."""
+    known = {k.upper(): g for k, g in GPUS.items()}
+
+    def lookup(name: str) -> Gpu | None:
+        name = name.upper().replace(" ", "-")
+        return known.get(ALIASES.get(name, name))
+
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        m = re.fullmatch(r"(.+?)(?:[x*](\d+))?", item, flags=re.IGNORECASE)
-        name, count = m.group(1).upper().replace(" ", "-"), int(m.group(2) or 1)
-        name = ALIASES.get(name, name)
-        known = {k.upper(): g for k, g in GPUS.items()}
-        if name not in known or count < 1:
+        gpu, count = lookup(item), 1  # "RTX5090" is a name, not RT x 5090
+        m = re.fullmatch(r"(.+)[xX*](\d+)", item)
+        if gpu is None and m:
+            gpu, count = lookup(m.group(1)), int(m.group(2))
+        if gpu is None or count < 1:
             raise ValueError(f"--gpus: {item!r} is not a known GPU[xN]; known: {', '.join(GPUS)} "
                              f"(also {', '.join(ALIASES)}), e.g. H100x8")
-        out.append((known[name], count))
+        out.append((gpu, count))
     if not out:
         raise ValueError("--gpus: empty; give e.g. H100x8 or GB10,H100,H100x8")
     return out
@@ -203,8 +209,10 @@ def comm_seconds(w: Workload, n: int, strategy: str, link_gbs: float) -> float:
 
 def predict(w: Workload, gpu: Gpu, n: int, *, strategy: str = "auto", startup_s: float = STARTUP_S,
             measured: tuple[float, Gpu] | None = None, peak_tflops: float | None = None) -> Prediction:
-    if strategy == "auto":  # shard only when the weights alone would take most of one GPU
-        strategy = "fsdp2" if n > 1 and w.weights_gib > 0.5 * gpu.memory_gib else "ddp"
+    if n == 1:
+        strategy = "single"
+    elif strategy == "auto":  # shard only when the weights alone would take most of one GPU
+        strategy = "fsdp2" if w.weights_gib > 0.5 * gpu.memory_gib else "ddp"
     t1, source = single_gpu_tokens_per_s(gpu, w.flops_token, w.weights, measured=measured, peak_tflops=peak_tflops)
     compute = w.tokens_per_gpu_step / t1
     comm = comm_seconds(w, n, strategy, gpu.link_gbs)
@@ -240,7 +248,9 @@ def verdicts(preds: list[Prediction], floor: float = EFFICIENCY_FLOOR) -> list[P
             if p.strategy == "ddp" and p.weights_gib_per_gpu < 0.5 * p.memory_gib:
                 notes.append(f"the model fits one GPU with room (weights {p.weights_gib_per_gpu:.1f} of "
                              f"{p.memory_gib:.0f} GiB): more GPUs buy time only")
-        p.verdict = "; ".join(notes) or "pays: near-linear scaling"
+        if GPUS[p.gpu].unified:
+            notes.append("its memory is shared with the CPU: the OS and the data loader use part of it")
+        p.verdict = "; ".join(notes) or ("pays: near-linear scaling" if p.n > 1 else "fits (weights); the baseline")
     return preds
 
 

@@ -138,7 +138,8 @@ def plot(result: dict) -> bytes:
     dx.axhline(0.0, color="#888", lw=0.8)
     dx.set_ylabel("loss - fp32 loss", fontsize=9)
     dx.set_xlabel("step", fontsize=9)
-    dx.legend(fontsize=8, frameon=False)
+    if dx.get_lines()[1:]:  # beyond the zero line
+        dx.legend(fontsize=8, frameon=False)
     return _png(fig)
 
 

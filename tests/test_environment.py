@@ -1,0 +1,47 @@
+"""The environment record: every run folder's environment.json, and `gapless doctor --compare RUN_A RUN_B`."""
+import json
+
+import yaml
+
+from gapless.cli import main
+from gapless.diagnosis.environment import (compare_runs, differences, env_vars, environment_record,
+                                           write_environment)
+
+
+def test_record_holds_what_changes_a_run(tmp_path):
+    path = write_environment(tmp_path / "run", environment_record(probe_kernels=False))
+    record = json.loads(path.read_text())
+    assert record["packages"]["torch"] and record["python"].count(".") == 2
+    assert set(record["gpu"]) >= {"torch_cuda", "cuda_available", "driver", "gpus", "nccl", "cudnn"}
+    assert set(record["torch_flags"]) >= {"tf32_matmul", "float32_matmul_precision", "cudnn_benchmark"}
+    assert set(record["gapless"]) == {"path", "commit", "dirty", "install"}
+    assert set(record["kernels"]) == {"flash-attn-4", "liger-kernel", "bitsandbytes"}
+
+
+def test_env_vars_keep_the_relevant_ones():
+    environ = {"NCCL_P2P_DISABLE": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HF_HUB_OFFLINE": "1",
+               "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4", "HOME": "/root", "AWS_SECRET": "x"}
+    assert set(env_vars(environ)) == {"NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE",
+                                      "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"}
+
+
+def test_differences_are_dotted_leaves():
+    a = {"packages": {"torch": "2.11.0", "peft": "0.17"}, "env": {"NCCL_P2P_DISABLE": "1"}}
+    b = {"packages": {"torch": "2.13.0", "peft": "0.17"}, "env": {}}
+    assert differences(a, b) == [("env.NCCL_P2P_DISABLE", "1", None), ("packages.torch", "2.11.0", "2.13.0")]
+
+
+def test_compare_two_runs(tmp_path, capsys):
+    record = environment_record(probe_kernels=False)
+    for name, torch_version, lr in (("a", "2.11.0+cu130", 2e-4), ("b", "2.13.0+cu130", 1e-4)):
+        run = tmp_path / name
+        write_environment(run, {**record, "packages": {**record["packages"], "torch": torch_version}})
+        (run / "config.yaml").write_text(yaml.safe_dump({"optim": {"lr": lr}, "output_dir": str(run)}))
+    cmp = compare_runs(tmp_path / "a", tmp_path / "b")
+    assert cmp["environment"]["differences"] == [{"key": "packages.torch", "a": "2.11.0+cu130", "b": "2.13.0+cu130"}]
+    assert cmp["config"]["differences"] == [{"key": "optim.lr", "a": 2e-4, "b": 1e-4}]  # output_dir is left out
+    assert main(["doctor", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "environment: 1 differences" in out and "packages.torch" in out and "optim.lr" in out
+    (tmp_path / "b" / "environment.json").unlink()
+    assert "missing" in compare_runs(tmp_path / "a", tmp_path / "b")["environment"]

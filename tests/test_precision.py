@@ -1,0 +1,65 @@
+"""`gapless compare-precision` on the CPU with the demo's tiny model: the same seeds and batches under fp32, TF32
+(the same computation on a CPU), bf16; fp16 is reported as not available until a loss scaler lands."""
+import json
+
+import pytest
+import torch
+import yaml
+
+from gapless import demo_task
+from gapless.cli import main
+from gapless.demo import write_base_model
+from gapless.diagnosis.precision import FP16_MISSING, compare_precision, fp16_supported, tf32
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("precision")
+    model = write_base_model(root / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), root / "data" / "train.jsonl")
+    raw = {"model": {"path": str(model), "dtype": "float32", "device": "cpu"},
+           "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
+                    "tokens_per_batch": 256, "cache_dir": str(root / "cache"), "num_workers": 0},
+           "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 5e-3}, "output_dir": str(root / "run")}
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_tf32_flags_are_restored():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    with tf32(True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == before
+
+
+def test_compare_on_cpu(config, tmp_path, one_thread):
+    result = compare_precision(config, steps=4, out=tmp_path)
+    rows = {r["variant"]: r for r in result["variants"]}
+    assert set(rows) == {"fp32", "tf32", "bf16", "fp16"}
+    assert rows["fp16"]["status"] == (FP16_MISSING if not fp16_supported() else "ran")
+    assert sorted(rows["fp32"]["losses"]) == [1, 2, 3, 4] and rows["fp32"]["max_abs_diff"] == 0.0
+    # no TF32 on a CPU: the same computation, bit for bit
+    assert rows["tf32"]["losses"] == rows["fp32"]["losses"] and "no TF32" in rows["tf32"]["note"]
+    # bf16 changes the numbers a little (8 mantissa bits: ~0.4% relative per op), not the training
+    assert 0 < rows["bf16"]["max_rel_diff"] < 0.05, rows["bf16"]
+    assert all(rows[v]["tokens_per_s"] > 0 for v in ("fp32", "tf32", "bf16"))
+    page = (tmp_path / "precision.html").read_text()
+    assert "data:image/png;base64," in page and "bf16" in page
+    assert json.loads((tmp_path / "precision.json").read_text())["steps"] == 4
+
+
+def test_cli_subset_and_bad_variant(config, tmp_path, capsys, one_thread):
+    assert main(["compare-precision", str(config), "--steps", "2", "--out", str(tmp_path), "--variants",
+                 "fp32,fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16     not available yet" in out and "precision.html" in out
+    assert main(["compare-precision", str(config), "--variants", "fp8"]) == 2
