@@ -4,26 +4,15 @@ import json
 
 import pytest
 import torch
-import yaml
 
-from gapless import demo_task
 from gapless.cli import main
-from gapless.demo import write_base_model
 from gapless.diagnosis.precision import FP16_MISSING, compare_precision, fp16_supported, tf32
+from test_doctor import demo  # noqa: F401  (the demo's tiny model and data, a module fixture)
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    root = tmp_path_factory.mktemp("precision")
-    model = write_base_model(root / "base", seed=0)
-    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), root / "data" / "train.jsonl")
-    raw = {"model": {"path": str(model), "dtype": "float32", "device": "cpu"},
-           "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
-                    "tokens_per_batch": 256, "cache_dir": str(root / "cache"), "num_workers": 0},
-           "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 5e-3}, "output_dir": str(root / "run")}
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+def config(demo):
+    return demo.path
 
 
 @pytest.fixture
