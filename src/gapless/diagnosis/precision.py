@@ -129,16 +129,18 @@ def plot(result: dict) -> bytes:
     ref = next((r for r in ran if r["variant"] == "fp32"), None)
     for r in ran:
         steps = sorted(r["losses"])
-        ax.plot(steps, [r["losses"][s] for s in steps], lw=1.3, label=r["variant"])
+        color = f"C{VARIANTS.index(r['variant'])}"  # one color per variant in both panels
+        ax.plot(steps, [r["losses"][s] for s in steps], lw=1.3, color=color, label=r["variant"])
         if ref is not None and r is not ref:
             common = [s for s in steps if s in ref["losses"]]
-            dx.plot(common, [r["losses"][s] - ref["losses"][s] for s in common], lw=1.2, label=r["variant"])
+            dx.plot(common, [r["losses"][s] - ref["losses"][s] for s in common], lw=1.2, color=color,
+                    label=r["variant"])
     ax.set_ylabel("loss", fontsize=9)
     ax.legend(fontsize=8, frameon=False)
     dx.axhline(0.0, color="#888", lw=0.8)
     dx.set_ylabel("loss - fp32 loss", fontsize=9)
     dx.set_xlabel("step", fontsize=9)
-    if dx.get_lines()[1:]:  # beyond the zero line
+    if len(dx.get_lines()) > 1:  # beyond the zero line
         dx.legend(fontsize=8, frameon=False)
     return _png(fig)
 
