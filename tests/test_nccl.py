@@ -31,3 +31,11 @@ def test_nccl_with_one_gpu_or_none_says_so():
 def test_nccl_allreduce_on_gpus():
     result = run_allreduce("nccl", None, [1 << 20, 64 << 20])
     assert result["ranks"] == torch.cuda.device_count() and result["rows"][-1]["busbw_GBps"] > 1.0
+
+
+def test_doctor_nccl_command_on_gloo(capsys):
+    from gapless.cli import main
+
+    assert main(["doctor", "--nccl", "--backend", "gloo", "--procs", "2", "--max-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "gloo, 2 ranks" in out and "1 MiB" in out and "peak busbw" in out

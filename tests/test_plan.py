@@ -1,5 +1,6 @@
 """`gapless plan`: the GPU table, the single-GPU prediction against the H200 runs it is built from (within 10%),
 traffic and efficiency on known inputs, the plain statement of where more GPUs stop paying, and the command."""
+import json
 import math
 
 import numpy as np
@@ -115,3 +116,19 @@ def test_plan_command_on_the_demo(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "H100x8" in out and "GB10x1" in out and "measured 20,000 tok/s on H200" in out
     assert "needs methods:" in out and "start-up" in out
+
+
+def test_measured_rate_from_a_run_folder(tmp_path):
+    from gapless.diagnosis.plan import measured_from_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 10, "loss": 2.0, "tokens_per_s": 5_000.0},  # the window with the compile: left out
+             {"step": 10, "kind": "time"}, {"step": 20, "loss": 1.9, "tokens_per_s": 30_000.0},
+             {"step": 30, "loss": 1.8, "tokens_per_s": 32_000.0}, {"step": 40, "loss": 1.7, "tokens_per_s": 31_000.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert measured_from_run(run) == (31_000.0, None)
+    (run / "environment.json").write_text(json.dumps({"gpu": {"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}}))
+    assert measured_from_run(run) == (31_000.0, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ValueError, match="metrics.jsonl not found"):
+        measured_from_run(tmp_path)

@@ -152,8 +152,9 @@ def check_gpu(env: dict, cfg=None) -> list[Finding]:
         if g.get("nvidia_smi"):
             return _f("env.cuda", "error", f"nvidia-smi is present but torch {env['packages'].get('torch')} sees no "
                       "CUDA device (a CPU build of torch, or a driver older than its CUDA)",
-                      "the run would train on the CPU", "pip install torch --index-url "
-                      "https://download.pytorch.org/whl/cu126 (the CUDA your driver supports: nvidia-smi)")
+                      "the run would train on the CPU", "install the torch build for the CUDA version nvidia-smi "
+                      "shows (pytorch.org/get-started/locally), e.g. pip install torch --index-url "
+                      "https://download.pytorch.org/whl/cu128")
         return _f("env.cuda", "info", f"{NO_GPU}: torch {env['packages'].get('torch')}, CUDA not available; "
                   "GPU checks are skipped and runs train on the CPU")
     names = ", ".join(f"{x['name']} ({x['memory_gib']:.0f} GiB, sm{x['capability']})" for x in _gpus(env))

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 
 from gapless.config import RunConfig, load_config
 
@@ -82,7 +83,11 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
             note = "bf16 on the CPU: correct but slow (no bf16 matmul units on most CPUs)"
         with tf32(name == "tf32"), open(out / f"{name}.log", "w") as stream:
             result = train(cfg, out=stream)
+        # what ran, as the run folder's config.yaml records it: `auto` picks sdpa for float32 and varlen for
+        # bf16 on a GPU, so the speed column compares whole settings, not the matmul precision alone
+        resolved = yaml.safe_load((out / name / "config.yaml").read_text())["model"]
         rows.append({"variant": name, "status": "ran", "note": note, "dtype": cfg.model.dtype,
+                     "attn_backend": resolved["attn_backend"], "compile": resolved["compile"],
                      "losses": {int(k): v for k, v in result.losses.items()},
                      "tokens_per_s": result.steady_tokens_per_s})
         log(f"{name}: final loss {result.losses[max(result.losses)]:.4f}, {result.steady_tokens_per_s:,.0f} "
@@ -107,7 +112,7 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
 
 def format_comparison(result: dict) -> str:
     lines = [f"{'variant':<8} {'tokens/s':>10} {'speed':>7} {'final loss':>10} {'max |diff|':>10} "
-             f"{'max rel':>8}  note"]
+             f"{'max rel':>8}  {'attention':<9}  note"]
     for r in result["variants"]:
         if r["status"] != "ran":
             lines.append(f"{r['variant']:<8} {r['status']}")
@@ -115,7 +120,8 @@ def format_comparison(result: dict) -> str:
         final = r["losses"][max(r["losses"])]
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         lines.append(f"{r['variant']:<8} {r['tokens_per_s']:>10,.0f} {speed:>7} {final:>10.4f} "
-                     f"{r.get('max_abs_diff', 0):>10.2e} {r.get('max_rel_diff', 0):>8.2%}  {r.get('note', '')}")
+                     f"{r.get('max_abs_diff', 0):>10.2e} {r.get('max_rel_diff', 0):>8.2%}  "
+                     f"{r['attn_backend'] + (' comp.' if r['compile'] else ''):<9}  {r.get('note', '')}")
     lines.append(f"differences are against fp32 with TF32 off at the same step, over {result['steps']} steps with "
                  "the same seeds and batches")
     return "\n".join(lines)
