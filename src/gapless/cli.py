@@ -264,6 +264,8 @@ def run_doctor(args) -> int:
     cfg = load_config(args.config, args.overrides) if args.config else None
     result = diagnose(cfg)
     print(to_json(result) if args.json else format_findings(result["findings"]))
+    if not args.json and result["facts"].get("step_source"):
+        print(f"step time: {result['facts']['step_source']}")
     return 1 if any(f.severity == "error" for f in result["findings"]) else 0
 
 
