@@ -268,14 +268,13 @@ def measure_write_speed(folder: Path, nbytes: int = WRITE_PROBE_BYTES) -> float:
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
-    """One checkpoint: the trainable tensors and AdamW's two moments, each in the trainable dtype (LoRA adapters
-    are float32: gapless.model.lora), read from the model's config.json."""
-    from gapless.meter.flops import lora_weights
+    """One checkpoint: the trainable tensors and AdamW's two moments, each in float32 (LoRA's adapters are float32:
+    gapless.model.method.Lora), counted from the model's config.json."""
+    from gapless.diagnosis.plan import trainable_params
     from gapless.model.loading import read_model_args
+    from gapless.model.method import method_of
 
-    args = read_model_args(cfg.model.path)
-    trainable = lora_weights(args, cfg.lora.r, cfg.lora.target_modules)
-    return trainable * 4 * 3
+    return trainable_params(read_model_args(cfg.model.path), method_of(cfg).flops) * 4 * 3
 
 
 def check_disk(folder: Path, need_bytes: int, write_bps: float | None) -> list[Finding]:
@@ -480,7 +479,7 @@ def check_checkpoint(cfg: RunConfig, step_s: float | None, ckpt_bytes: int, writ
         return _f("cfg.checkpoint", "info", f"checkpoint.every {c.every}: {_size(ckpt_bytes)} each; "
                   "step time not predicted (no GPU in the plan's table and no earlier run in output_dir), so the "
                   "stall share is not predicted")
-    from gapless.meter.gap import interval_for
+    from gapless.diagnosis.gap import interval_for
 
     share = stall / (c.every * step_s)
     detail = (f"checkpoint.every {c.every} steps of {step_s:.2f} s; {_size(ckpt_bytes)} each"
@@ -637,6 +636,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     from gapless.diagnosis.plan import flops_per_token, model_params
     from gapless.meter.flops import matmul_weights
     from gapless.model.loading import read_model_args
+    from gapless.model.method import method_of
 
     try:
         args = read_model_args(cfg.model.path)
@@ -664,8 +664,8 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     if args:
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
         tokens_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
-        step_s, source = predicted_step_s(cfg, env, tokens_step, flops_per_token(args, lengths, cfg.method,
-                                          cfg.lora.r, cfg.lora.target_modules), matmul_weights(args))
+        step_s, source = predicted_step_s(cfg, env, tokens_step,
+                                          flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args))
         facts["step_s"], facts["step_source"] = step_s, source
     findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps)
     # the run's folder holds (keep + 1) checkpoints while the newest is written, plus the final adapter

@@ -129,11 +129,18 @@ def stated_mfu(weights: int) -> float:
     return float(np.interp(math.log(weights), xs, ys))
 
 
-def flops_per_token(args: ModelArgs, lengths, method: str = "lora", lora_r: int = 16,
-                    targets=None) -> float:
+def flops_per_token(args: ModelArgs, lengths, flops: dict | None = None) -> float:
+    """Useful training FLOPs per real token over documents of these lengths; `flops`: the method's step_flops
+    arguments (gapless.model.method.Method.flops; default LoRA r16 on all 7 projections)."""
     lengths = [int(n) for n in lengths]
-    extra = {} if targets is None else {"lora_targets": targets}
-    return step_flops(args, lengths, method, lora_r, **extra) / max(sum(lengths), 1)
+    return step_flops(args, lengths, **(flops or {})) / max(sum(lengths), 1)
+
+
+def trainable_params(args: ModelArgs, flops: dict) -> int:
+    """Parameters the method trains, from its step_flops arguments: LoRA's A and B, else every parameter."""
+    if flops["method"] == "lora":
+        return lora_weights(args, flops["lora_r"], flops["lora_targets"])
+    return model_params(args)
 
 
 def single_gpu_tokens_per_s(gpu: Gpu, flops_token: float, weights: int, *, measured: tuple[float, Gpu] | None = None,
@@ -324,6 +331,7 @@ def workload_from_config(cfg, *, out=None) -> tuple[Workload, dict]:
     from gapless.data.batching import BatchSampler
     from gapless.diagnosis.doctor import build_run_data
     from gapless.model.loading import read_model_args
+    from gapless.model.method import method_of
 
     args = read_model_args(cfg.model.path)
     mix, _, summary = build_run_data(cfg)
@@ -332,16 +340,14 @@ def workload_from_config(cfg, *, out=None) -> tuple[Workload, dict]:
     efficiency = sampler.efficiency(0)
     per_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * efficiency
     tokens = (cfg.train.steps * per_step) if cfg.train.steps else cfg.train.epochs * float(lengths.sum())
-    method = cfg.method
-    trainable = lora_weights(args, cfg.lora.r, cfg.lora.target_modules) if method in ("lora", "qlora") \
-        else model_params(args)
+    flops = method_of(cfg).flops
     w = Workload(tokens=tokens, tokens_per_gpu_step=per_step, micro_batches=cfg.train.grad_accum,
-                 flops_token=flops_per_token(args, lengths, "full" if method == "full" else "lora", cfg.lora.r,
-                                             cfg.lora.target_modules),
-                 weights=matmul_weights(args), params=model_params(args), trainable=trainable,
+                 flops_token=flops_per_token(args, lengths, flops), weights=matmul_weights(args),
+                 params=model_params(args), trainable=trainable_params(args, flops),
                  param_bytes=4 if cfg.model.dtype == "float32" else 2,
-                 # LoRA adapters are float32 whatever the base's dtype (gapless.model.lora), and so their gradients
-                 grad_bytes=4 if method in ("lora", "qlora") or cfg.model.dtype == "float32" else 2)
+                 # LoRA adapters are float32 whatever the base's dtype (gapless.model.method.Lora), and so their
+                 # gradients
+                 grad_bytes=4 if flops["method"] == "lora" or cfg.model.dtype == "float32" else 2)
     return w, {"documents": int(len(lengths)), "packing_efficiency": efficiency, "summary": summary.format()}
 
 
