@@ -93,6 +93,8 @@ def test_clean_gpu_machine_has_no_serious_environment_finding(demo):
 
 @pytest.mark.parametrize("check, change, fid, severity", [
     (d.check_python, {"python": "3.9.18"}, "env.python", "error"),
+    (d.check_gpu, {"gpu.cuda_available": False, "gpu.gpus": [], "env": {"CUDA_VISIBLE_DEVICES": ""}}, "env.cuda",
+     "info"),  # hidden on purpose
     (d.check_gpu, {"gpu.cuda_available": False, "gpu.gpus": []}, "env.cuda", "error"),  # nvidia-smi, no CUDA
     (d.check_bf16, {"gpu.gpus.0.capability": "7.5"}, "env.bf16", "error"),
     (d.check_determinism, {"torch_flags.deterministic_algorithms": True}, "env.determinism", "warning"),
@@ -264,6 +266,15 @@ def test_padding_predicted_on_the_users_data_and_error_exit(demo, capsys):
     assert f.severity == "warning" and eff["pad_to_max"] < eff["packed"] - 0.3  # short chats in 64-token rows
     assert main(["doctor", str(demo.path), "model.path=" + str(demo.root / "missing")]) == 1
     assert "cfg.model" in capsys.readouterr().out
+
+
+def test_unreadable_data_is_an_error(demo, tmp_path):
+    bad_file = tmp_path / "bad.jsonl"
+    bad_file.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    result = d.diagnose(cfg_of(demo, f"data.sources.0.path={bad_file}", f"data.cache_dir={tmp_path / 'c'}"),
+                        probe_disk=False)
+    (f,) = [f for f in result["findings"] if f.id == "cfg.data"]
+    assert f.severity == "error" and "bad.jsonl" in f.detail
 
 
 def test_quick_checks_need_no_data(demo):

@@ -149,6 +149,10 @@ def check_versions(env: dict, cfg=None, ranges: dict[str, str] | None = None) ->
 def check_gpu(env: dict, cfg=None) -> list[Finding]:
     g = env["gpu"]
     if not g["cuda_available"]:
+        hidden = env["env"].get("CUDA_VISIBLE_DEVICES")
+        if g.get("nvidia_smi") and hidden is not None and hidden.strip() in ("", "-1"):
+            return _f("env.cuda", "info", f"{NO_GPU}: CUDA_VISIBLE_DEVICES={hidden!r} hides the GPUs; GPU checks are "
+                      "skipped", fix="unset CUDA_VISIBLE_DEVICES to train on the GPUs")
         if g.get("nvidia_smi"):
             return _f("env.cuda", "error", f"nvidia-smi is present but torch {env['packages'].get('torch')} sees no "
                       "CUDA device (a CPU build of torch, or a driver older than its CUDA)",
@@ -280,7 +284,8 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 def check_disk(folder: Path, need_bytes: int, write_bps: float | None) -> list[Finding]:
     usage = shutil.disk_usage(folder if folder.exists() else _existing_parent(folder))
     speed = f"; measured write {write_bps / 1e6:,.0f} MB/s (fsync)" if write_bps else ""
-    detail = f"{folder}: {usage.free / 2**30:,.1f} GiB free, the run needs about {need_bytes / 2**30:,.2f} GiB{speed}"
+    need = f", the run needs about {need_bytes / 2**30:,.2f} GiB" if need_bytes else ""
+    detail = f"{folder}: {usage.free / 2**30:,.1f} GiB free{need}{speed}"
     if usage.free < need_bytes:
         return _f("env.disk", "error", detail, "the run fails when a checkpoint cannot be written",
                   "output_dir: a folder on a disk with room, or checkpoint.keep: 1")
@@ -654,7 +659,8 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
         eff[strategy] = BatchSampler.from_config(replace(cfg.data, batching=strategy), mix).efficiency(0)
     facts["packing_efficiency"] = eff
     findings += check_batching(cfg, eff)
-    findings += check_tokens_per_step(cfg, eff[cfg.data.batching])
+    # ranks of a torchrun launch (the config has no world size until dist:, issue 15)
+    findings += check_tokens_per_step(cfg, eff[cfg.data.batching], gpus=int(os.environ.get("WORLD_SIZE", 1)))
     findings += check_accumulation(cfg)
     sampler = BatchSampler.from_config(cfg.data, mix)
     steps = cfg.train.steps or math.ceil(cfg.train.epochs * sampler.batches_per_epoch() / cfg.train.grad_accum)
