@@ -303,3 +303,18 @@ def test_on_a_gpu_the_gpu_checks_run(demo):
                                                                           "model.device=auto"))}
     assert found["env.cuda"].severity == "ok" and d.NO_GPU not in found["env.bf16"].detail
     assert found["env.nccl"].severity == "ok"
+
+
+def test_step_time_measured_or_predicted(demo, tmp_path):
+    from gapless.diagnosis.plan import GPUS, single_gpu_tokens_per_s
+
+    cfg = cfg_of(demo, "model.dtype=bfloat16", "model.device=auto", f"output_dir={tmp_path / 'run'}")
+    step_s, source = d.predicted_step_s(cfg, gpu_env(), 200, 13.74e9, 3_212_574_720)
+    toks, _ = single_gpu_tokens_per_s(GPUS["H200"], 13.74e9, 3_212_574_720)
+    assert step_s == pytest.approx(256 / toks) and source.startswith("predicted for 256 slots")  # slots, not 200
+    assert d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)[0] is None
+    (tmp_path / "run").mkdir()
+    rates = [{"step": s, "loss": 1.0, "tokens_per_s": 1000.0 * s} for s in (1, 2, 3)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rates))
+    step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)
+    assert step_s == pytest.approx(200 / 2500) and source.startswith("measured")  # median of 2000 and 3000

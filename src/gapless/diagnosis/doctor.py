@@ -600,15 +600,16 @@ def build_run_data(cfg: RunConfig):
         return build_data(cfg.data, Path(cfg.data.tokenizer or cfg.model.path))
 
 
-def predicted_step_s(cfg: RunConfig, env: dict, tokens_per_step: float, flops_token: float, weights: int) -> \
+def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_token: float, weights: int) -> \
         tuple[float | None, str]:
-    """Seconds per optimizer step: an earlier run in output_dir (measured), else the plan's single-GPU figure for
-    the GPU here, else None."""
+    """Seconds per optimizer step: an earlier run in output_dir (its measured real tokens/s), else the plan's
+    single-GPU figure for the GPU here over every slot of the step (padding costs compute as a token does), else
+    None."""
     from gapless.diagnosis.plan import gpu_from_name, measured_from_run, single_gpu_tokens_per_s
 
     try:
         toks, _ = measured_from_run(cfg.output_dir)
-        return tokens_per_step / toks, f"measured in {cfg.output_dir}: {toks:,.0f} tok/s"
+        return real_per_step / toks, f"measured in {cfg.output_dir}: {toks:,.0f} real tok/s"
     except (ValueError, OSError, KeyError):
         pass
     if _is_gpu(cfg, env):
@@ -617,7 +618,8 @@ def predicted_step_s(cfg: RunConfig, env: dict, tokens_per_step: float, flops_to
         except ValueError as e:
             return None, str(e)
         toks, source = single_gpu_tokens_per_s(gpu, flops_token, weights)
-        return tokens_per_step / toks, f"predicted: {toks:,.0f} tok/s = {source}"
+        slots = cfg.data.tokens_per_batch * cfg.train.grad_accum
+        return slots / toks, f"predicted for {slots:,} slots per step at {toks:,.0f} tok/s = {source}"
     return None, f"{NO_GPU} and no earlier run in {cfg.output_dir}"
 
 
@@ -669,8 +671,8 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     step_s = None
     if args:
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
-        tokens_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
-        step_s, source = predicted_step_s(cfg, env, tokens_step,
+        real_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
+        step_s, source = predicted_step_s(cfg, env, real_step,
                                           flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args))
         facts["step_s"], facts["step_source"] = step_s, source
     findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps)
