@@ -282,6 +282,9 @@ def test_quick_checks_need_no_data(demo):
     found = d.quick_checks(cfg, cpu_env())
     assert [f.id for f in d.serious(found)] == ["cfg.logging"]
     assert not any(f.id.startswith("cfg.batching") for f in found)
+    report = d.startup_report(cfg, cpu_env())
+    assert "WARNING   cfg.logging" in report and "fix:  train.log_every: 10" in report
+    assert d.startup_report(cfg_of(demo), cpu_env()) == ""
 
 
 def test_real_environment_record_feeds_the_checks(demo):

@@ -132,3 +132,22 @@ def test_measured_rate_from_a_run_folder(tmp_path):
     assert measured_from_run(run) == (31_000.0, "NVIDIA H100 80GB HBM3")
     with pytest.raises(ValueError, match="metrics.jsonl not found"):
         measured_from_run(tmp_path)
+
+
+@pytest.mark.gpu
+def test_plan_uses_the_measured_peak_of_the_gpu_here(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from gapless.config import load_config
+    from gapless.diagnosis.plan import plan
+
+    here = gpu_from_name(torch.cuda.get_device_name(0))
+    model = write_base_model(tmp_path / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), tmp_path / "train.jsonl")
+    cfg = load_config(data={"model": {"path": str(model)}, "data": {"sources": [{"path": str(data)}], "max_seq_len": 64,
+                                                                     "tokens_per_batch": 256, "num_workers": 0,
+                                                                     "cache_dir": str(tmp_path / "cache")}})
+    (p,), _ = plan(cfg, here.name)
+    assert "measured peak" in p.source

@@ -589,6 +589,12 @@ def serious(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.severity in ("warning", "error")]
 
 
+def startup_report(cfg: RunConfig, env: dict | None = None) -> str:
+    """What `gapless train` prints at startup: the warnings and errors of the quick checks, "" when there are none."""
+    found = serious(quick_checks(cfg, env))
+    return format_findings(found) if found else ""
+
+
 def build_run_data(cfg: RunConfig):
     """(train mix, eval mix, summary) exactly as a run builds them (through the token cache)."""
     try:
