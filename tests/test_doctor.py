@@ -321,3 +321,27 @@ def test_step_time_measured_or_predicted(demo, tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rates))
     step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)
     assert step_s == pytest.approx(200 / 2500) and source.startswith("measured")  # median of 2000 and 3000
+
+
+def test_doctor_on_a_run_folder(demo, tmp_path, capsys, monkeypatch):
+    """A run folder is checked with its own config.yaml, its measured step time and its own evidence."""
+    import torch
+
+    from gapless.meter import report
+    from gapless.meter.monitor import Finding as RunFinding
+    from gapless.train.loop import train
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg_of(demo, "train.steps=4", "train.log_every=1", f"output_dir={tmp_path / 'run'}", "progress=false"))
+    finally:
+        torch.set_num_threads(previous)
+    assert main(["doctor", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "step time: measured in" in out and "run.evidence" in out and "cfg.batching" in out
+    monkeypatch.setattr(report, "findings", lambda run: [RunFinding(
+        "input-bound: the GPU waits for batches", "waiting for data 40% of training time", "prefetch more")])
+    (f,) = d.run_findings(tmp_path / "run")
+    assert f.id == "run.input_bound" and f.severity == "warning" and "40%" in f.detail and f.fix == "prefetch more"
+    assert main(["doctor", str(tmp_path)]) == 2  # a folder without config.yaml is the user's mistake

@@ -227,7 +227,9 @@ def register_doctor(sub) -> None:
                                    "config, the run (padding on your data, tokens per step, accumulation, checkpoint "
                                    "and logging intervals, token cache, memory, precision, activation checkpointing, "
                                    "compile). Exit code 1 when a finding is an error. See gapless/diagnosis/doctor.py.")
-    p.add_argument("config", nargs="?", help="the run's YAML config (optional: without it, the environment only)")
+    p.add_argument("config", nargs="?", metavar="CONFIG_OR_RUN",
+                   help="the run's YAML config, or a run folder (its config.yaml, plus what its metrics and GPU "
+                        "samples show); without it, the environment only")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
@@ -258,11 +260,9 @@ def run_doctor(args) -> int:
             link = expected_link() if args.backend == "nccl" else None
             print(json.dumps(result) if args.json else format_allreduce(result, link))
         return 0
-    from gapless.config import load_config
-    from gapless.diagnosis.doctor import diagnose, format_findings, to_json
+    from gapless.diagnosis.doctor import diagnose_target, format_findings, to_json
 
-    cfg = load_config(args.config, args.overrides) if args.config else None
-    result = diagnose(cfg)
+    result = diagnose_target(args.config, args.overrides)
     print(to_json(result) if args.json else format_findings(result["findings"]))
     if not args.json and result["facts"].get("step_source"):
         print(f"step time: {result['facts']['step_source']}")

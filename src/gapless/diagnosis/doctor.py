@@ -690,6 +690,40 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     return {"findings": findings, "facts": facts}
 
 
+def run_findings(run_dir: str | Path) -> list[Finding]:
+    """A finished or running run's own evidence (gapless.meter.report: input-bound, I/O-bound at checkpoints,
+    throttling, an under-used GPU, layers compile gave up on) as doctor findings: the seed's "still slow" checks."""
+    import re
+
+    from gapless.meter.report import findings, read_run
+
+    out = []
+    for f in findings(read_run(run_dir)):
+        slug = re.sub(r"[^a-z0-9]+", "_", f.cause.split(":")[0].lower()).strip("_")
+        out += _f(f"run.{slug}", "warning", f"{f.cause}: {f.evidence}", "the shares of the run's time above", f.fix)
+    if not out:
+        out += _f("run.evidence", "ok", f"{run_dir}: no input, checkpoint, throttling or utilisation finding in its "
+                  "metrics.jsonl and gpu.jsonl")
+    return out
+
+
+def diagnose_target(target: str | None, overrides: list[str] = (), env: dict | None = None) -> dict:
+    """`gapless doctor [CONFIG | RUN]`: a run folder is checked with its resolved config.yaml, plus its own evidence."""
+    from gapless.config import load_config
+
+    if target is None:
+        return diagnose(None, env)
+    run = Path(target)
+    if run.is_dir():
+        if not (run / "config.yaml").is_file():
+            raise ValueError(f"{run}: a folder without config.yaml; give a config file or a run folder")
+        result = diagnose(load_config(run / "config.yaml", [f"output_dir={run}", *overrides]), env)
+        if (run / "metrics.jsonl").is_file():
+            result["findings"] += run_findings(run)
+        return result
+    return diagnose(load_config(target, overrides), env)
+
+
 def format_findings(findings: list[Finding], show_ok: bool = True) -> str:
     rows = [f for f in findings if show_ok or f.severity != "ok"]
     width = max((len(f.id) for f in rows), default=10)
