@@ -20,9 +20,12 @@ def test_record_holds_what_changes_a_run(tmp_path):
 
 def test_env_vars_keep_the_relevant_ones():
     environ = {"NCCL_P2P_DISABLE": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HF_HUB_OFFLINE": "1",
-               "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4", "HOME": "/root", "AWS_SECRET": "x"}
-    assert set(env_vars(environ)) == {"NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE",
-                                      "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"}
+               "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4", "HOME": "/root", "AWS_SECRET": "x",
+               "HF_TOKEN": "hf_abc"}
+    record = env_vars(environ)
+    assert set(record) == {"NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES",
+                           "OMP_NUM_THREADS", "HF_TOKEN"}
+    assert "hf_abc" not in json.dumps(record)  # a credential is recorded as set, never copied into a run folder
 
 
 def test_differences_are_dotted_leaves():

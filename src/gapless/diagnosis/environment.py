@@ -113,9 +113,14 @@ def torch_flags() -> dict:
             "threads": torch.get_num_threads()}
 
 
+# names that hold credentials (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY...): recorded as set, never copied
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
 def env_vars(environ: dict | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return {k: "<set, not recorded>" if any(w in k.upper() for w in SECRET_WORDS) else v
+            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
 
 
 def gapless_source() -> dict:
