@@ -44,8 +44,10 @@ TF32_VS_BF16 = 494 / 989
 PADDING_NOISE = 0.02  # a batching that pads 2 points more than packing would is worth a warning
 CHECKPOINT_SHARE = 0.01  # a checkpoint interval whose stalls cost more than 1% of the run gets a fix
 WRITE_PROBE_BYTES = 64 << 20  # bytes written (and fsynced) to measure the output folder's write speed
-H2D_GBS = 10.0  # device-to-host copy of an async checkpoint: ~10 GB/s from pageable memory (PCIe 4/5, measured
-# typically 8-13 GB/s); the background write itself overlaps training
+# What the loop waits for at an async checkpoint: the device-to-host copy, at an assumed 10 GB/s (pageable copies
+# run below PCIe 4.0/5.0's 32/64 GB/s per direction; not measured here). The background write overlaps training.
+# LoRA checkpoints are tens of MB (3B r16: 24.3 M float32 x 3 = 292 MB), so the figure matters little.
+H2D_GBS = 10.0
 
 # NCCL variables a user sets, what each does; the ones that turn a fast path off are warnings
 NCCL_VARS = {
