@@ -1,4 +1,4 @@
-"""`gapless doctor [CONFIG]`: the pre-flight checklist, automated, with numbers.
+"""`gapless doctor [CONFIG | RUN]`: the pre-flight checklist, automated, with numbers.
 
 Every check returns Findings: an id (`env.tf32`, `cfg.checkpoint`), a severity (ok, info, warning, error), what
 was found, the predicted cost (share of throughput or minutes of the run) and the fix as a config line or a
