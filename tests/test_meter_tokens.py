@@ -140,3 +140,5 @@ def test_gapless_train_clock_starts_at_process_start(base, tmp_path):
     assert last["final"] and last["seconds"]["startup"] > 0.5  # at least the imports of torch and transformers
     assert last["wall_s"] == pytest.approx(outside, rel=0.02), (last["wall_s"], outside)
     assert 0 < last["first_step_s"] < last["wall_s"]
+    # the command also records the environment (gapless doctor --compare reads it)
+    assert json.loads((base["root"] / "process" / "environment.json").read_text())["python"]

@@ -65,12 +65,19 @@ def register_train(sub) -> None:
 
 def run_train(args) -> int:
     from gapless.config import load_config
+    from gapless.diagnosis.doctor import startup_report
+    from gapless.diagnosis.environment import write_environment
+    from gapless.meter.timeline import process_start
     from gapless.train.loop import train
 
-    from gapless.meter.timeline import process_start
-
+    started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
-    train(load_config(args.config, overrides), started=process_start())
+    cfg = load_config(args.config, overrides)
+    report = startup_report(cfg)  # the doctor's quick checks (~40 ms): the warnings and errors, before any work
+    if report:
+        print(report, file=sys.stderr, flush=True)
+    write_environment(cfg.output_dir)  # environment.json: `gapless doctor --compare RUN_A RUN_B` reads it
+    train(cfg, started=started)
     return 0
 
 
