@@ -18,7 +18,10 @@ from typing import Any, Literal
 
 import yaml
 
-# The seven linear projections of a Llama-family decoder layer (HF names).
+# The linear projections a decoder layer of a supported family can hold (HF names), and LoRA's choices; which of
+# them each family has is its entry's `projections` in gapless.model.families (all seven for every family so far:
+# Llama, Mistral, Qwen and Gemma alike). Kept here because the config sits below model/ and validates
+# lora.target_modules without building a model.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -2,14 +2,17 @@
 
 Every backend computes the same function:
 
-    attention(q, k, v, *, cu_seqlens, max_seqlen, attention_mask, sliding_window, scale) -> out
+    attention(q, k, v, *, cu_seqlens, max_seqlen, attention_mask, sliding_window, scale, softcap) -> out
     q: [B, T, Hq, D]   k, v: [B, T, Hkv, D]   out: [B, T, Hq, D]     (Hq % Hkv == 0, GQA)
 
 - `cu_seqlens` (int32 [docs + 1]) gives document offsets into the flattened B*T tokens, as
   flash-attention's varlen functions take it; the last entry is B*T (the unused tail of a packed
   row is its own segment). Documents never attend to each other and never cross a row.
 - `attention_mask` ([B, T], 1 = real token, 0 = padding) is for padded batches (cu_seqlens None).
-- `sliding_window` (Mistral): a query at position i sees keys j with i - window < j <= i.
+- `sliding_window` (Mistral, Gemma): a query at position i sees keys j with i - window < j <= i.
+- `softcap` (Gemma 2): the scaled scores s become softcap * tanh(s / softcap) before the softmax. Backends that
+  cannot (varlen: torch's varlen_attn has no such argument; fa4, fa4_op: not wired) refuse it naming "flex",
+  which applies it as a score_mod inside its kernel; `auto` picks flex for a model that soft-caps.
 
 "sdpa" is the plain-PyTorch reference that runs anywhere; the GPU backends are tested against it. The config's
 default, `attn_backend: auto`, resolves once per run to a name (auto_backend): varlen where it runs, sdpa elsewhere.
@@ -41,6 +44,7 @@ route once as a probe, so this decision rests on a number.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from typing import Any, Callable
@@ -52,7 +56,8 @@ from torch import Tensor
 
 def sdpa_reference(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
                    max_seqlen: int | None = None, attention_mask: Tensor | None = None,
-                   sliding_window: int | None = None, scale: float | None = None) -> Tensor:
+                   sliding_window: int | None = None, scale: float | None = None,
+                   softcap: float | None = None) -> Tensor:
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     if Hq != Hkv:  # GQA: each KV head serves Hq // Hkv query heads
@@ -65,16 +70,17 @@ def sdpa_reference(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None
         bounds = cu_seqlens.tolist()  # host sync: this is the CPU reference, not the fast path
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e > s:
-                out[s:e] = _causal(qf[None, s:e], kf[None, s:e], vf[None, s:e], None, sliding_window, scale)[0]
+                out[s:e] = _causal(qf[None, s:e], kf[None, s:e], vf[None, s:e], None, sliding_window, scale,
+                                   softcap)[0]
         return out.view(B, T, Hq, D)
-    return _causal(q, k, v, attention_mask, sliding_window, scale)
+    return _causal(q, k, v, attention_mask, sliding_window, scale, softcap)
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None,
-            sliding_window: int | None, scale: float | None) -> Tensor:
+            sliding_window: int | None, scale: float | None, softcap: float | None) -> Tensor:
     T = q.shape[1]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
-    if attention_mask is None and sliding_window is None:
+    if attention_mask is None and sliding_window is None and softcap is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         return out.transpose(1, 2)
     i = torch.arange(T, device=q.device)
@@ -86,6 +92,11 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None,
         mask = mask & attention_mask.bool()[:, None, None, :]
         # a padding query with no visible key would give NaN; let it see itself (its output is unused)
         mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)[None, None]
+    if softcap is not None:  # SDPA has no hook between the scores and the softmax: the [B, H, T, T] scores, written out
+        scores = qt @ kt.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ vt  # fp32 softmax, as HF's eager
+        return out.transpose(1, 2)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
@@ -110,14 +121,18 @@ def backend_names() -> list[str]:
     return sorted(_backends())
 
 
-def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool) -> str:
+def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool, softcap: bool = False) -> str:
     """What `attn_backend: auto` runs: "varlen" on a CUDA GPU of compute capability 8.0 or newer (FlashAttention-2's
     kernels) in bf16/fp16 with packed rows, "sdpa" anywhere else (the CPU, float32, padded rows with a mask).
-    flash-attn-4 is never picked here: it is an extra that the user names (fa4_op), as its installation says."""
+    `softcap`: the model soft-caps its attention scores (Gemma 2: args.attn_softcap), which varlen cannot; there
+    "flex" runs instead. flash-attn-4 is never picked here: it is an extra that the user names (fa4_op), as its
+    installation says."""
     if not packed or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "sdpa"
+    if softcap:
+        return "flex"
     try:
         _varlen_backend()  # its own check that this torch has varlen_attn
     except RuntimeError:
@@ -157,6 +172,12 @@ def _check_cuda_half(name: str, fallback: str, *tensors: Tensor) -> None:
                                f"{t.device}; choose {fallback!r}")
 
 
+def _refuse_softcap(name: str, softcap: float | None) -> None:
+    if softcap is not None:
+        raise RuntimeError(f"attention backend {name!r} cannot soft-cap attention scores (softcap={softcap}, Gemma 2's "
+                           "attn_logit_softcapping); choose 'flex' (on a GPU; 'auto' picks it) or 'sdpa'")
+
+
 def _check_window(sliding_window: int | None) -> None:
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 (a query sees itself and window-1 keys before it), "
@@ -177,12 +198,13 @@ def _varlen_backend() -> AttentionFn:
 
     def varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
                attention_mask: Tensor | None = None, sliding_window: int | None = None,
-               scale: float | None = None) -> Tensor:
+               scale: float | None = None, softcap: float | None = None) -> Tensor:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "varlen")
         _check_cuda_half("varlen", "sdpa", q, k, v)
         _check_window(sliding_window)
+        _refuse_softcap("varlen", softcap)
         if sliding_window is None:
             # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
             mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
@@ -219,12 +241,13 @@ def _fa4_backend() -> AttentionFn:
     @torch.compiler.disable
     def fa4(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
             attention_mask: Tensor | None = None, sliding_window: int | None = None,
-            scale: float | None = None) -> Tensor:
+            scale: float | None = None, softcap: float | None = None) -> Tensor:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "fa4")
         _check_cuda_half("fa4", "varlen", q, k, v)
         _check_window(sliding_window)
+        _refuse_softcap("fa4", softcap)
         window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
         out = flash_attn_varlen_func(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
                                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
@@ -296,7 +319,8 @@ class FlexAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
                  max_seqlen: int | None = None, attention_mask: Tensor | None = None,
-                 sliding_window: int | None = None, scale: float | None = None) -> Tensor:
+                 sliding_window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> Tensor:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         if attention_mask is not None:
@@ -311,8 +335,23 @@ class FlexAttention:
         mask = self.block_mask(cu_seqlens, B, T, sliding_window, q.device)
         # [B, T, H, D] -> [1, H, B*T, D]: one flat sequence, heads second as flex_attention takes them
         qf, kf, vf = (x.reshape(1, B * T, x.shape[2], D).transpose(1, 2) for x in (q, k, v))
-        out = self._flex(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+        out = self._flex(qf, kf, vf, score_mod=_softcap_mod(softcap), block_mask=mask, scale=scale,
+                         enable_gqa=Hq != Hkv)
         return out.transpose(1, 2).reshape(B, T, Hq, D)
+
+
+@functools.cache
+def _softcap_mod(softcap: float | None) -> Callable | None:
+    """FlexAttention's score_mod for tanh soft-capping (applied to the scaled score, inside the kernel; its
+    gradient, 1 - tanh^2, is derived by flex's backward); one function object per cap, so compiled graphs keep
+    their guards (a fresh closure every layer would recompile)."""
+    if softcap is None:
+        return None
+
+    def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.tanh(score / softcap) * softcap
+
+    return mod
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,13 +447,15 @@ def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> A
 
     def attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
                   max_seqlen: int | None = None, attention_mask: Tensor | None = None,
-                  sliding_window: int | None = None, scale: float | None = None) -> Tensor:
+                  sliding_window: int | None = None, scale: float | None = None,
+                  softcap: float | None = None) -> Tensor:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, name)
         if cuda_fallback is not None:
             _check_cuda_half(name, cuda_fallback, q, k, v)
         _check_window(sliding_window)
+        _refuse_softcap(name, softcap)
         out, _ = op(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), cu, max_len,
                     D ** -0.5 if scale is None else scale, -1 if sliding_window is None else sliding_window - 1)
         return out.view(B, T, Hq, D)

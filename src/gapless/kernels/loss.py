@@ -1,7 +1,12 @@
 """Cross-entropy fused with the LM head: the [tokens, vocab] logits never exist all at once.
 
     linear_cross_entropy(hidden [N, D], weight [V, D], targets [N]) -> sum over non-ignored tokens of
-        logsumexp(hidden @ weight.T) - (hidden @ weight.T)[target]
+        logsumexp(y) - y[target],   y = hidden @ weight.T   (or softcap * tanh(hidden @ weight.T / softcap))
+
+`softcap` (Gemma 2's final_logit_softcapping, 30): the logits z are squashed to y = c * tanh(z / c) before the
+softmax, as transformers' Gemma2ForCausalLM does; the gradient through it is dL/dz = (softmax(y) - onehot) *
+(1 - tanh(z / c)^2). It costs one more float32 [chunk, V] buffer per chunk (the tanh, kept for that factor):
+2 GiB at 2048 tokens and Gemma's V = 262,144.
 
 The loss is a SUM: the training loop divides by the real-token count of the whole optimizer step, so the
 sums of its micro-batches add up to the step's loss (a mean per micro-batch would weight them wrongly).
@@ -41,14 +46,17 @@ DEFAULT_CHUNK_SIZE = 2048
 
 
 def reference_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, reduction: str = "sum",
-                                   ignore_index: int = -100) -> Tensor:
-    """The plain-PyTorch reference: full float32 logits, then F.cross_entropy."""
+                                   ignore_index: int = -100, softcap: float | None = None) -> Tensor:
+    """The plain-PyTorch reference: full float32 logits (soft-capped when asked), then F.cross_entropy."""
     logits = hidden.float() @ weight.float().t()  # [N, V], materialised
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, targets.long(), ignore_index=ignore_index, reduction=reduction)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                         reduction: str = "sum", ignore_index: int = -100, compiled: bool = False) -> Tensor:
+                         reduction: str = "sum", ignore_index: int = -100, compiled: bool = False,
+                         softcap: float | None = None) -> Tensor:
     """Cross-entropy of (hidden @ weight.T) against targets, chunked over tokens; a float32 scalar.
 
     reduction: "sum" over non-ignored targets (what the training loop wants), or "mean" over them (NaN when
@@ -65,9 +73,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, chu
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number (the logits' bound) or None, got {softcap}")
     grad_on = torch.is_grad_enabled()
     loss = _LinearCrossEntropy.apply(hidden, weight, targets.long(), chunk_size, ignore_index, compiled,
-                                     grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+                                     grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                                     None if softcap is None else float(softcap))
     if reduction == "mean":
         return loss / (targets != ignore_index).sum()
     return loss
@@ -76,7 +87,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, chu
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, ignore_index: int,
-                compiled: bool, need_hidden: bool, need_weight: bool) -> Tensor:
+                compiled: bool, need_hidden: bool, need_weight: bool, softcap: float | None) -> Tensor:
         N, D = hidden.shape
         V = weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -87,9 +98,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, t = hidden[s:s + chunk_size], targets[s:s + chunk_size]  # [c, D], [c]
             logits = _mm_f32(h, weight.t())  # [c, V] float32
             if not (need_hidden or need_weight):
-                loss += _chunk_loss(logits, t, ignore_index)
+                loss += _chunk_loss(logits if softcap is None else torch.tanh(logits / softcap) * softcap, t,
+                                    ignore_index)
                 continue
-            chunk_loss, g = step(logits, t, ignore_index, hidden.dtype)  # g: [c, V] in the input dtype
+            chunk_loss, g = step(logits, t, ignore_index, hidden.dtype, softcap)  # g: [c, V] in the input dtype
             loss += chunk_loss
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[s:s + chunk_size])  # [c, V] @ [V, D] -> [c, D]
@@ -108,7 +120,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
         gw = None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
@@ -131,8 +143,14 @@ def _chunk_loss(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
     return torch.where(valid, torch.logsumexp(logits, dim=-1) - target_logit, 0.0).sum()
 
 
-def _step_eager(logits: Tensor, targets: Tensor, ignore_index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(loss sum, d loss / d logits in `dtype`) for one chunk; overwrites `logits` to keep one [c, V] buffer."""
+def _step_eager(logits: Tensor, targets: Tensor, ignore_index: int, dtype: torch.dtype,
+                softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """(loss sum, d loss / d logits in `dtype`) for one chunk; overwrites `logits` to keep one [c, V] buffer (two
+    with softcap: the tanh is kept for the gradient's factor 1 - tanh^2)."""
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        torch.mul(tanh, softcap, out=logits)  # the capped logits y, in place of z
     valid = targets != ignore_index
     t = torch.where(valid, targets, 0)  # [c]; ignored rows point at class 0 with weight 0
     lse = torch.logsumexp(logits, dim=-1)  # [c]
@@ -142,12 +160,18 @@ def _step_eager(logits: Tensor, targets: Tensor, ignore_index: int, dtype: torch
     logits.sub_(torch.where(valid, lse, torch.inf)[:, None]).exp_()
     rows = torch.arange(logits.shape[0], device=logits.device)
     logits.index_put_((rows, t), -valid.to(logits.dtype), accumulate=True)  # softmax - onehot
+    if tanh is not None:  # chain rule through y = c * tanh(z / c): dy/dz = 1 - tanh^2
+        logits.mul_(tanh.mul_(tanh).neg_().add_(1))
     return loss, logits.to(dtype)
 
 
-def _step_functional(logits: Tensor, targets: Tensor, ignore_index: int,
-                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _step_functional(logits: Tensor, targets: Tensor, ignore_index: int, dtype: torch.dtype,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """The same step without in-place ops, for torch.compile: one reduction kernel, one pointwise kernel."""
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        logits = tanh * softcap
     valid = targets != ignore_index
     t = torch.where(valid, targets, 0)
     lse = torch.logsumexp(logits, dim=-1)
@@ -155,7 +179,10 @@ def _step_functional(logits: Tensor, targets: Tensor, ignore_index: int,
     loss = torch.where(valid, lse - target_logit, 0.0).sum()
     probs = torch.exp(logits - torch.where(valid, lse, torch.inf)[:, None])
     onehot = (torch.arange(logits.shape[1], device=logits.device)[None, :] == t[:, None]) & valid[:, None]
-    return loss, (probs - onehot.to(probs.dtype)).to(dtype)
+    g = probs - onehot.to(probs.dtype)
+    if tanh is not None:
+        g = g * (1 - tanh * tanh)
+    return loss, g.to(dtype)
 
 
 @functools.cache

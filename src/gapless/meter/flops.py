@@ -27,8 +27,10 @@ Counted, per token (N = the real tokens of the step = sum of the document length
   dP = dO V^T, dQ = dS K, dK = dS^T Q), so forward + backward = 3.5x the forward. Grouped-query attention
   shares K/V heads but every query head still does its own matmuls: H_q counts, H_kv does not.
   The same convention as shared/peers/limit.py, so MFU here and the peers' ceiling use one yardstick.
-- Not counted (the usual convention; all memory-bound): RMSNorm, RoPE, SwiGLU's elementwise product, residual
-  adds, the softmax of the loss, the optimizer update.
+  Per-layer windows (Gemma: sliding and global layers alternate) are counted layer by layer.
+- Not counted (the usual convention; all memory-bound): RMSNorm (Gemma's four per layer too), RoPE, the GLU's
+  elementwise product, soft-capping's tanh, the embedding scale, residual adds, the softmax of the loss, the
+  optimizer update.
 
 Nominal, not executed: decoder layer 0's q/k/v projections read the normed embedding, which needs no gradient
 when the embedding is frozen, so autograd skips their activation-gradient matmuls (2 * in * out per token for
@@ -49,16 +51,19 @@ import torch
 
 from gapless.config import ALL_LINEAR
 from gapless.model.decoder import ModelArgs
+from gapless.model.families import family
 
 METHODS = ("lora", "full")
 
 
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each linear projection of one decoder layer, by HF name."""
+    """(in_features, out_features) of each linear projection of one decoder layer, by HF name: those the family
+    has (gapless.model.families)."""
     D, hd, I = args.hidden_size, args.head_dim, args.intermediate_size
     q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
-    return {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
-            "gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
+    shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
+              "gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
+    return {name: shapes[name] for name in family(args.model_type).projections}
 
 
 def matmul_weights(args: ModelArgs) -> int:

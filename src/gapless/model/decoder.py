@@ -1,13 +1,10 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3) in one file, with HF's parameter names.
+"""The decoder of every supported family (llama, mistral, qwen2, qwen3, gemma2, gemma3) in one file, with HF's names.
 
 Module paths are exactly transformers' (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`),
 so a checkpoint's state dict loads without a renaming table and PEFT adapter keys are
-`base_model.model.` + our names. The four families differ only in switches read from config.json:
-
-    llama    optional bias on all four attention projections and on the MLP; tied embeddings (3.2)
-    qwen2    bias on q/k/v (not o); sliding window only where `use_sliding_window` says so
-    qwen3    RMSNorm on each q and k head before RoPE (`q_norm`/`k_norm`); head_dim set explicitly
-    mistral  sliding-window attention on every layer (null: none)
+`base_model.model.` + our names. The families differ in the rules of gapless.model.families (norm form,
+activation, embedding scale, sandwich norms, q/k norms, which projections carry a bias) and in the numbers
+config.json gives (ModelArgs: attention scale, soft-capping, the window and RoPE table of each layer).
 
 Rows may be packed: `cu_seqlens` (int32 [docs + 1], offsets into the flattened B*T tokens) keeps
 documents from attending to each other, and positions restart at 0 at every document.
@@ -23,6 +20,7 @@ from torch import Tensor, nn
 
 from gapless.kernels.attention import get_attention
 from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from gapless.model.families import family
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -59,12 +57,15 @@ class ModelArgs:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q_proj, k_proj, v_proj
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
+    biases: tuple[str, ...] = ()  # the projections with a bias (q_proj, ..., down_proj)
     # one entry per layer: the window (a query at i sees keys j with i - window < j <= i) or None
     sliding_window: list[int | None] = field(default_factory=list)
+    # the RoPE base of the sliding layers where it differs from the global one (Gemma 3: 10,000 against 1e6;
+    # unscaled); None: every layer uses rope_theta and rope_scaling
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its ^-0.5; None: head_dim^-0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2: 50)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2: 30)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -80,11 +81,13 @@ class ModelArgs:
 # RoPE
 
 
-def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, attention_factor), computed as transformers does per rope_type."""
-    s = args.rope_scaling
+def rope_frequencies(args: ModelArgs, local: bool = False) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention_factor), computed as transformers does per rope_type;
+    `local`: the sliding layers' own table (base local_rope_theta, no scaling)."""
+    s = RopeScaling() if local else args.rope_scaling
+    theta = args.local_rope_theta if local else args.rope_theta
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if s.rope_type == "default":
         return inv_freq, 1.0
     if s.rope_type == "linear":
@@ -101,7 +104,7 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
         medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
         return torch.where(medium, smoothed, scaled), 1.0
     if s.rope_type == "yarn":
-        return _yarn(inv_freq, dim, args.rope_theta, s)
+        return _yarn(inv_freq, dim, theta, s)
     raise AssertionError(f"rope_type {s.rope_type!r} should have been refused by read_model_args")
 
 
@@ -134,25 +137,40 @@ def _yarn(inv_freq: Tensor, dim: int, base: float, s: RopeScaling) -> tuple[Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin per token from position_ids; computed once per forward and shared by all layers."""
+    """cos/sin per token from position_ids; computed once per forward and shared by all layers.
+
+    One table, or two when the sliding layers have their own base (Gemma 3): forward returns the list
+    [(cos, sin) global, (cos, sin) local], and each layer's `rope_table` indexes it."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.tables = 1 if args.local_rope_theta is None else 2
         inv_freq, self.attention_factor = rope_frequencies(args)
         # not persistent: the state dict keeps exactly HF's keys
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if self.tables == 2:
+            self.register_buffer("inv_freq_local", rope_frequencies(args, local=True)[0], persistent=False)
 
     def reset_inv_freq(self, device: torch.device | str) -> None:
         """Recompute inv_freq on `device` (after building on the meta device, buffers hold no data)."""
         self.inv_freq = rope_frequencies(self.args)[0].to(device)
+        if self.tables == 2:
+            self.inv_freq_local = rope_frequencies(self.args, local=True)[0].to(device)
 
-    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        tables = [self._cos_sin(position_ids, self.inv_freq, self.attention_factor, dtype)]
+        if self.tables == 2:
+            tables.append(self._cos_sin(position_ids, self.inv_freq_local, 1.0, dtype))
+        return tables
+
+    @staticmethod
+    def _cos_sin(position_ids: Tensor, inv_freq: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # float32 angles: in bf16 a position near 4096 would be off by up to 16
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, head_dim / 2]
+        freqs = position_ids[..., None].float() * inv_freq.float()  # [B, T, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, head_dim], HF's rotate-half layout
         # yarn scales q and k by attention_factor each, so attention logits by its square, as HF does
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -188,16 +206,44 @@ def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm in float32. `one_plus`: Gemma's form, (1 + weight) * x computed in float32 and then cast (weights
+    stored centred on 0); otherwise Llama's, x cast back to the input dtype before the weight, as HF orders each."""
+
+    def __init__(self, dim: int, eps: float, one_plus: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if one_plus else torch.ones(dim))
         self.eps = eps
+        self.one_plus = one_plus
 
     def forward(self, x: Tensor) -> Tensor:
-        # float32 statistics, then back to the input dtype before the weight, exactly as HF orders it
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.one_plus:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def norm(args: ModelArgs, dim: int) -> RMSNorm:
+    """An RMSNorm of the family's form."""
+    return RMSNorm(dim, args.rms_norm_eps, one_plus=family(args.model_type).norm == "one_plus_weight")
+
+
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding times a constant (Gemma: sqrt(hidden_size)), the constant first rounded to the activation
+    dtype as HF does: in bf16 sqrt(2560) = 50.596 becomes 50.5."""
+
+    def __init__(self, num: int, dim: int, padding_idx: int | None, scale: float):
+        super().__init__(num, dim, padding_idx=padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        h = super().forward(input_ids)
+        return h * torch.tensor(self.scale, dtype=h.dtype)  # a 0-dim CPU tensor: a scalar to any device
+
+
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    """cap * tanh(x / cap): values squashed smoothly into (-cap, cap) (Gemma 2's logits and attention scores)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
@@ -205,14 +251,19 @@ class Attention(nn.Module):
         super().__init__()
         D, hd = args.hidden_size, args.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(D, args.num_attention_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(D, args.num_key_value_heads * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(D, args.num_key_value_heads * hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_attention_heads * hd, D, bias=args.o_proj_bias)
-        # qwen3 normalises each head of q and k over head_dim before RoPE
-        self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        bias = set(args.biases)
+        self.q_proj = nn.Linear(D, args.num_attention_heads * hd, bias="q_proj" in bias)
+        self.k_proj = nn.Linear(D, args.num_key_value_heads * hd, bias="k_proj" in bias)
+        self.v_proj = nn.Linear(D, args.num_key_value_heads * hd, bias="v_proj" in bias)
+        self.o_proj = nn.Linear(args.num_attention_heads * hd, D, bias="o_proj" in bias)
+        # qwen3 and gemma3 normalise each head of q and k over head_dim before RoPE
+        qk_norm = family(args.model_type).qk_norm
+        self.q_norm = norm(args, hd) if qk_norm else None
+        self.k_norm = norm(args, hd) if qk_norm else None
         self.sliding_window = args.sliding_window[layer_idx]
+        self.scale = (args.query_pre_attn_scalar or hd) ** -0.5
+        # passed to attn_fn only when set: a soft-capping model needs a backend that takes it (kernels.attention)
+        self.softcap = {} if args.attn_softcap is None else {"softcap": args.attn_softcap}
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
                 max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
@@ -225,34 +276,55 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn_fn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask,
-                      sliding_window=self.sliding_window, scale=self.head_dim ** -0.5)
+                      sliding_window=self.sliding_window, scale=self.scale, **self.softcap)
         return self.o_proj(out.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    """SwiGLU (silu) or GeGLU (tanh-approximated GELU, Gemma): down(act(gate(x)) * up(x))."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        bias = set(args.biases)
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias="gate_proj" in bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias="up_proj" in bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias="down_proj" in bias)
+        self.gelu = family(args.model_type).activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks. With the family's sandwich norms (Gemma) the attention and MLP outputs are normed
+    too before each residual add; HF's names then mean: post_attention_layernorm on the attention output,
+    pre_feedforward_layernorm before the MLP, post_feedforward_layernorm on its output. Without them (Llama)
+    post_attention_layernorm is the norm before the MLP."""
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = norm(args, args.hidden_size)
+        self.post_attention_layernorm = norm(args, args.hidden_size)
+        if family(args.model_type).sandwich_norms:
+            self.pre_feedforward_layernorm = norm(args, args.hidden_size)
+            self.post_feedforward_layernorm = norm(args, args.hidden_size)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        # which RoPE table of RotaryEmbedding.forward this layer reads: 1 for a sliding layer with its own base
+        self.rope_table = int(args.local_rope_theta is not None and args.sliding_window[layer_idx] is not None)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
                 max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn_fn, cu_seqlens, max_seqlen, attention_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn_fn, cu_seqlens, max_seqlen, attention_mask)
+        if self.pre_feedforward_layernorm is None:
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class DecoderModel(nn.Module):
@@ -262,9 +334,12 @@ class DecoderModel(nn.Module):
         super().__init__()
         # padding_idx as HF sets it: the pad row gets no gradient in full fine-tuning
         pad = args.pad_token_id if args.pad_token_id is not None and 0 <= args.pad_token_id < args.vocab_size else None
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=pad)
+        if family(args.model_type).embed_scale:
+            self.embed_tokens = ScaledEmbedding(args.vocab_size, args.hidden_size, pad, args.hidden_size ** 0.5)
+        else:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = norm(args, args.hidden_size)
         self.rotary_emb = RotaryEmbedding(args)
 
 
@@ -321,9 +396,9 @@ class CausalLM(nn.Module):
             else:  # right padding: real tokens sit at 0..n-1; left padding needs the caller's positions
                 position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
-        cos, sin = self.model.rotary_emb(position_ids, h.dtype)  # [B, T, hd], once for all layers
+        rope = self.model.rotary_emb(position_ids, h.dtype)  # [(cos, sin) [B, T, hd]], once for all layers
         for layer in self.model.layers:
-            h = layer(h, cos, sin, self.attn_fn, cu_seqlens, max_seqlen, attention_mask)
+            h = layer(h, *rope[layer.rope_table], self.attn_fn, cu_seqlens, max_seqlen, attention_mask)
         return self.model.norm(h)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None,
@@ -333,15 +408,17 @@ class CausalLM(nn.Module):
         over the trained tokens instead, through the chunked fused loss (gapless.kernels.loss): the full logits
         never exist. Training calls this, never the layers around it, so the hooks that DDP (gradient reduction)
         and FSDP2 (un-sharding) put on the module call run. The trained-token count that divides the sum is a
-        host int the data pipeline counted (Batch.num_target_tokens): no device read."""
+        host int the data pipeline counted (Batch.num_target_tokens): no device read. Logits are soft-capped
+        where the family does it (Gemma 2's final_logit_softcapping), in all three paths."""
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, attention_mask, max_seqlen)  # [B, T, D]
+        cap = self.args.final_softcap
         if targets is None:
-            return self.lm_head(hidden)
+            return softcap(self.lm_head(hidden), cap)
         if self.loss_chunk_size is None:  # as transformers computes it: the [B, T, vocab] logits, then float32
-            logits = self.lm_head(hidden)
+            logits = softcap(self.lm_head(hidden), cap)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                    chunk_size=self.loss_chunk_size, compiled=self.loss_compiled)
+                                    chunk_size=self.loss_chunk_size, compiled=self.loss_compiled, softcap=cap)
 
 
 def set_attention_backend(model: CausalLM, name: str) -> CausalLM:

@@ -21,8 +21,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from gapless.model.decoder import ROPE_TYPES, CausalLM, ModelArgs, RopeScaling
+from gapless.model.families import FAMILIES, Family, family
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -60,11 +61,11 @@ def read_model_args(folder: str | Path) -> ModelArgs:
 class _Fields:
     """Typed reads from a config dict; every error names the file and the field."""
 
-    def __init__(self, config: dict, where: str):
-        self.config, self.where = config, where
+    def __init__(self, config: dict, where: str, prefix: str = ""):
+        self.config, self.where, self.prefix = config, where, prefix  # prefix: "text_config." for a nested config
 
     def error(self, name: str, message: str) -> ValueError:
-        return ValueError(f"{self.where}: {name}: {message}")
+        return ValueError(f"{self.where}: {self.prefix}{name}: {message}")
 
     def get(self, name: str, default: Any = _MISSING, source: dict | None = None) -> Any:
         source = self.config if source is None else source
@@ -94,20 +95,45 @@ class _Fields:
 
 
 def model_args_from_config(config: dict, where: str = "config.json") -> ModelArgs:
-    """ModelArgs from a config.json dict; `where` names the file in error messages."""
+    """ModelArgs from a config.json dict and its family's rules (gapless.model.families); `where` names the file
+    in error messages."""
     f = _Fields(config, where)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise f.error("model_type", f"{model_type!r} is not supported; gapless supports "
-                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        fam = family(model_type)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     if config.get("quantization_config"):
         raise f.error("quantization_config", "pre-quantized checkpoints are not supported; load the "
                                              "unquantized (bf16/fp16/fp32) base model instead")
-    if f.get("hidden_act", "silu") != "silu":
-        raise f.error("hidden_act", f"{config['hidden_act']!r} is not supported; the Llama family uses 'silu'")
+    if fam.text_config:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise f.error("text_config", f"a {model_type} checkpoint keeps its decoder's fields here; got {text!r}")
+        if config.get("vision_config") is not None:
+            warnings.warn(f"{where}: the vision tower (vision_config) is ignored: gapless trains the text decoder "
+                          "of this image-text checkpoint; the vision weights are not read", stacklevel=2)
+        # tie_word_embeddings is the top-level config's in transformers' image-text classes
+        text = {**text, **({"tie_word_embeddings": config["tie_word_embeddings"]}
+                           if "tie_word_embeddings" in config else {})}
+        f = _Fields(text, where, prefix="text_config.")
+    config = f.config
+    defaults = fam.defaults
+    activation = config.get("hidden_activation") or config.get("hidden_act") or fam.activation
+    if {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(activation) != fam.activation:
+        name = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+        want = {"silu": "'silu'", "gelu_tanh": "'gelu_pytorch_tanh'"}[fam.activation]
+        raise f.error(name, f"{activation!r} is not supported; the {model_type} family uses {want}")
     if config.get("attention_dropout"):
         warnings.warn(f"{where}: attention_dropout={config['attention_dropout']} is ignored; "
                       "gapless applies no dropout inside attention", stacklevel=2)
+    if config.get("use_bidirectional_attention"):
+        raise f.error("use_bidirectional_attention", "bidirectional attention (an embedding model) is not "
+                                                     "supported; gapless trains causal language models")
+    for name, applies in (("attn_logit_softcapping", fam.attn_softcap), ("final_logit_softcapping", fam.final_softcap)):
+        if config.get(name) is not None and not applies:  # transformers' own model never applies it either
+            warnings.warn(f"{where}: {f.prefix}{name}={config[name]} is ignored, as transformers' {model_type} "
+                          "model ignores it", stacklevel=2)
 
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads")
@@ -115,8 +141,7 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
     kv_heads = f.integer("num_key_value_heads", heads)
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
-    # transformers' Qwen3Config defaults head_dim to 128 rather than hidden_size / heads
-    head_dim = f.integer("head_dim", 128 if model_type == "qwen3" else None)
+    head_dim = f.integer("head_dim", defaults.get("head_dim"))
     if head_dim is None:
         if hidden % heads:
             raise f.error("head_dim", f"missing, and hidden_size={hidden} is not a multiple of "
@@ -125,9 +150,13 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
     if head_dim % 2:
         raise f.error("head_dim", f"RoPE needs an even head dimension, got {head_dim}")
     max_positions = f.integer("max_position_embeddings", None)
-    rope_theta, rope_scaling = _read_rope(f, max_positions)
+    rope_theta, rope_scaling, local_theta = _read_rope(f, fam, max_positions)
 
-    attention_bias = f.flag("attention_bias", False) if model_type in ("llama", "qwen3") else False
+    biases = set(fam.bias)
+    if fam.attention_bias_on and f.flag("attention_bias", False):
+        biases |= set(fam.attention_bias_on)
+    if fam.mlp_bias_on and f.flag("mlp_bias", False):
+        biases |= set(fam.mlp_bias_on)
     return ModelArgs(
         model_type=model_type,
         vocab_size=f.integer("vocab_size"),
@@ -137,33 +166,65 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rms_norm_eps=f.number("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=f.flag("tie_word_embeddings", False),
-        # qwen2 always has q/k/v bias and never an o_proj bias; llama and qwen3 put attention_bias on all four
-        attention_bias=attention_bias or model_type == "qwen2",
-        o_proj_bias=attention_bias,
-        mlp_bias=f.flag("mlp_bias", False) if model_type == "llama" else False,
-        qk_norm=model_type == "qwen3",
-        sliding_window=_read_sliding_window(f, model_type, layers),
+        tie_word_embeddings=f.flag("tie_word_embeddings", defaults["tie_word_embeddings"]),
+        biases=tuple(p for p in fam.projections if p in biases),
+        sliding_window=_read_sliding_window(f, fam, layers),
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=(f.number(fam.query_scale_field, defaults[fam.query_scale_field])
+                               if fam.query_scale_field else None),
+        attn_softcap=f.number("attn_logit_softcapping", defaults.get("attn_logit_softcapping"))
+        if fam.attn_softcap else None,
+        final_softcap=f.number("final_logit_softcapping", defaults.get("final_logit_softcapping"))
+        if fam.final_softcap else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"),
         pad_token_id=config.get("pad_token_id"),
     )
 
 
-def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScaling]:
-    """rope_theta and scaling from 5.x `rope_parameters` or 4.x `rope_scaling` + `rope_theta`."""
+def _read_rope(f: _Fields, fam: Family, max_positions: int | None) -> tuple[float, RopeScaling, float | None]:
+    """(rope_theta and scaling of the global layers, the sliding layers' own base or None) from 5.x
+    `rope_parameters` (per layer type for Gemma 3: {full_attention: ..., sliding_attention: ...}) or 4.x
+    `rope_scaling` + `rope_theta` (+ Gemma 3's `rope_local_base_freq`)."""
     config = f.config
-    # transformers 5 lets a non-null 4.x `rope_scaling` win over `rope_parameters`; so do we
-    name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    params = config.get(name) or {}
+    params, name = config.get("rope_parameters") or {}, "rope_parameters"
+    local: dict | None = None
+    if fam.local_rope:
+        if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+            if not set(params) <= {"full_attention", "sliding_attention"}:
+                raise f.error(name, f"expected RoPE parameters per layer type (full_attention, sliding_attention), "
+                                    f"got {params!r}")
+            local = params.get("sliding_attention") or {}
+            params, name = params.get("full_attention") or {}, "rope_parameters.full_attention"
+        else:
+            local = {}
+        if config.get("rope_scaling"):  # transformers 5 applies a 4.x rope_scaling to the global layers
+            params, name = {**params, **config["rope_scaling"]}, "rope_scaling"
+    elif config.get("rope_scaling"):  # transformers 5 lets a non-null 4.x `rope_scaling` win; so do we
+        params, name = config["rope_scaling"], "rope_scaling"
+    theta, scaling = _read_rope_table(f, params, name, max_positions, fam.defaults["rope_theta"])
+    if local is None:
+        return theta, scaling, None
+    local_name = "rope_parameters.sliding_attention"
+    if not isinstance(local, dict) or (local.get("rope_type") or "default") != "default":
+        raise f.error(local_name, f"the sliding layers' RoPE must be unscaled (rope_type default), got {local!r}")
+    local_theta = f.number("rope_theta", None, source=local) or f.number(
+        "rope_local_base_freq", fam.defaults["rope_local_base_freq"])
+    return theta, scaling, local_theta
+
+
+def _read_rope_table(f: _Fields, params: Any, name: str, max_positions: int | None,
+                     default_theta: float) -> tuple[float, RopeScaling]:
+    """rope_theta and scaling from one mapping of RoPE parameters (`name` in errors)."""
+    config = f.config
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise f.error(name, f"expected one mapping of RoPE parameters (per-layer-type RoPE is not "
-                            f"supported), got {params!r}")
-    theta = f.number("rope_theta", None, source=params) or f.number("rope_theta", 10000.0)
+                            f"supported for this family), got {params!r}")
+    theta = f.number("rope_theta", None, source=params) or f.number("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in ROPE_TYPES:
         raise f.error(f"{name}.rope_type", f"{rope_type!r} is not supported; gapless supports "
@@ -178,7 +239,7 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
         try:
             return getattr(f, kind)(key, default, source=params)
         except ValueError as e:
-            raise ValueError(str(e).replace(f": {key}:", f": {name}.{key}:", 1)) from None
+            raise ValueError(str(e).replace(f": {f.prefix}{key}:", f": {f.prefix}{name}.{key}:", 1)) from None
 
     if rope_type == "linear":
         return theta, RopeScaling(rope_type="linear", factor=field("factor"))
@@ -204,23 +265,28 @@ def _read_rope(f: _Fields, max_positions: int | None) -> tuple[float, RopeScalin
         mscale_all_dim=field("mscale_all_dim", None), truncate=field("truncate", True, "flag"))
 
 
-def _read_sliding_window(f: _Fields, model_type: str, layers: int) -> list[int | None]:
-    """The attention window of each layer, as transformers' config classes decide it."""
-    if model_type == "llama":
+def _read_sliding_window(f: _Fields, fam: Family, layers: int) -> list[int | None]:
+    """The attention window of each layer, as transformers' config classes decide it (the family's rule)."""
+    if fam.windows == "none":
         return [None] * layers
-    if model_type == "mistral":
+    if fam.windows == "every_layer":
         # MistralConfig's default is 4096 when the field is absent; null (Mistral v0.2+) means none
-        window = f.integer("sliding_window", None) if "sliding_window" in f.config else 4096
+        window = f.integer("sliding_window", None) if "sliding_window" in f.config else fam.defaults["sliding_window"]
         return [window] * layers
-    # qwen2 / qwen3: a window only with use_sliding_window, and only on the layers layer_types names
-    # (by default those at index >= max_window_layers)
-    if not f.flag("use_sliding_window", False):
+    # qwen2 / qwen3: a window only with use_sliding_window, and only on the layers layer_types names (by default
+    # those at index >= max_window_layers); gemma: on the layers layer_types names (by default all but every
+    # window_pattern-th: Gemma 2 alternates from a sliding layer 0, Gemma 3 has 5 sliding per global)
+    if fam.windows == "use_sliding_window" and not f.flag("use_sliding_window", False):
         return [None] * layers
-    window = f.integer("sliding_window", 4096)
+    window = f.integer("sliding_window", fam.defaults["sliding_window"])
     layer_types = f.get("layer_types", None)
     if layer_types is None:
-        max_window_layers = f.get("max_window_layers", 28)
-        layer_types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(layers)]
+        if fam.windows == "use_sliding_window":
+            first = f.get("max_window_layers", fam.defaults["max_window_layers"])
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        else:
+            pattern = f.integer("sliding_window_pattern", fam.window_pattern)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if (not isinstance(layer_types, list) or len(layer_types) != layers
             or not set(layer_types) <= {"full_attention", "sliding_attention"}):
         raise f.error("layer_types", f"expected {layers} entries of 'full_attention' or 'sliding_attention', "
