@@ -11,10 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from gapless.model.loading import read_config
+from gapless.model.families import family
+from gapless.model.loading import read_config, read_weight_headers
 
 # transformers 4.x defaulted to 5 GB shards (5.x to 50 GB); 5 GB files suit hub uploads and older readers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -43,6 +45,12 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     if model.args.tie_word_embeddings:  # transformers re-ties lm_head to the embedding on load
         del state["lm_head.weight"]
     dtype = state["model.embed_tokens.weight"].dtype
+    prefix = family(model.args.model_type).checkpoint_prefix
+    if prefix:  # an image-text checkpoint (Gemma 3): the decoder under its prefix, the rest copied through untouched
+        if source is None:
+            raise ValueError("save_pretrained: pass source_dir (the base model's folder) for its vision tower")
+        state = {prefix + k: v for k, v in state.items()}
+        state.update(_tensors_outside(source, prefix))
     dtype_name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = dtype_name  # transformers 4.x reads this key
     config["dtype"] = dtype_name  # and 5.x this one
@@ -72,6 +80,16 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     if source is not None:
         copy_tokenizer_files(source, out)
     return out
+
+
+def _tensors_outside(source: str | Path, prefix: str) -> dict:
+    """The tensors of the checkpoint in `source` whose keys do not start with `prefix`, as stored."""
+    tensors = {}
+    for key, (path, _) in read_weight_headers(source).items():
+        if not key.startswith(prefix):
+            with safe_open(path, framework="pt") as st:
+                tensors[key] = st.get_tensor(key)
+    return tensors
 
 
 def copy_tokenizer_files(source: str | Path, out: str | Path) -> list[str]:

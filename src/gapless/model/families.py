@@ -58,6 +58,11 @@ class Family:
     attn_softcap: bool = False  # reads attn_logit_softcapping
     final_softcap: bool = False  # reads final_logit_softcapping
     text_config: bool = False  # the decoder's fields sit under text_config (an image-text checkpoint)
+    # the checkpoint's key of each of our tensors is this + our key (Gemma 3's image-text checkpoints, as
+    # transformers saves them: language_model.model.layers.0..., language_model.lm_head.weight); the checkpoint's
+    # other tensors (vision_tower., multi_modal_projector.) are not the decoder's: never read, and copied through
+    # untouched by a merged export (gapless.model.export)
+    checkpoint_prefix: str = ""
     projections: tuple[str, ...] = ALL_LINEAR  # the linear layers of a decoder layer, LoRA's "all-linear"
     # transformers' config-class defaults for fields a config.json may leave out
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +91,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3_text", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, final_softcap=True,
            defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
     Family("gemma3", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, text_config=True,
+           checkpoint_prefix="language_model.",
            defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
 )}
 

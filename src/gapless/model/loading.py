@@ -298,6 +298,19 @@ def _read_sliding_window(f: _Fields, fam: Family, layers: int) -> list[int | Non
 # weights
 
 
+def decoder_headers(headers: dict[str, tuple[Path, tuple[int, ...]]],
+                    args: ModelArgs) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """read_weight_headers' entries under our key names: the family's checkpoint_prefix taken off (Gemma 3's
+    image-text checkpoints), and the tensors that are not the decoder's (its vision tower) left out."""
+    prefix = family(args.model_type).checkpoint_prefix
+    return {key[len(prefix):]: value for key, value in headers.items() if key.startswith(prefix)}
+
+
+def checkpoint_key(args: ModelArgs, key: str) -> str:
+    """The checkpoint's name of our tensor `key` (decoder_headers' inverse)."""
+    return family(args.model_type).checkpoint_prefix + key
+
+
 def read_weight_headers(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """key -> (safetensors file, shape) from the headers alone; no tensor data is read."""
     folder = Path(folder)
@@ -367,7 +380,7 @@ def build(path: str | Path, attn_backend: str = "sdpa") -> CausalLM:
     folder = Path(path)
     config = read_config(folder)
     args = model_args_from_config(config, where=str(folder / "config.json"))
-    headers = read_weight_headers(folder)
+    headers = decoder_headers(read_weight_headers(folder), args)  # our key names (Gemma 3: its text part)
     with torch.device("meta"):  # parameters without storage: nothing is allocated until load_weights assigns
         model = CausalLM(args, attn_backend=attn_backend)
     expected = model.checkpoint_shapes
@@ -395,14 +408,14 @@ LoadHook = Callable[[str, torch.Tensor], bool]
 
 def checkpoint_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for every checkpoint tensor of the folder `build` read, one at a time, file by file."""
-    headers = read_weight_headers(model.source_dir)
+    headers = decoder_headers(read_weight_headers(model.source_dir), model.args)
     by_file: dict[Path, list[str]] = {}
     for key in model.checkpoint_shapes:
         by_file.setdefault(headers[key][0], []).append(key)
     for file, keys in by_file.items():
         with safe_open(file, framework="pt") as st:
             for key in keys:
-                yield key, st.get_tensor(key)
+                yield key, st.get_tensor(checkpoint_key(model.args, key))
 
 
 @torch.no_grad()
