@@ -202,9 +202,9 @@ def _varlen_backend() -> AttentionFn:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "varlen")
+        _refuse_softcap("varlen", softcap)  # before the device check: no device runs it here
         _check_cuda_half("varlen", "sdpa", q, k, v)
         _check_window(sliding_window)
-        _refuse_softcap("varlen", softcap)
         if sliding_window is None:
             # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
             mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
@@ -245,9 +245,9 @@ def _fa4_backend() -> AttentionFn:
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "fa4")
+        _refuse_softcap("fa4", softcap)  # before the device check: no device runs it here
         _check_cuda_half("fa4", "varlen", q, k, v)
         _check_window(sliding_window)
-        _refuse_softcap("fa4", softcap)
         window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
         out = flash_attn_varlen_func(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
                                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
@@ -452,10 +452,10 @@ def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> A
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, name)
+        _refuse_softcap(name, softcap)
         if cuda_fallback is not None:
             _check_cuda_half(name, cuda_fallback, q, k, v)
         _check_window(sliding_window)
-        _refuse_softcap(name, softcap)
         out, _ = op(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), cu, max_len,
                     D ** -0.5 if scale is None else scale, -1 if sliding_window is None else sliding_window - 1)
         return out.view(B, T, Hq, D)
