@@ -42,7 +42,9 @@ class Family:
     # "weight": w * x.to(dtype) (Llama: the float32 statistics cast back before the weight);
     # "one_plus_weight": ((1 + w) * x) in float32, then cast (Gemma; the weights are stored centred on 0)
     norm: Literal["weight", "one_plus_weight"] = "weight"
-    activation: Literal["silu", "gelu_tanh"] = "silu"  # of the gate projection; hidden_act / hidden_activation
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # of the gate projection
+    # the config field naming it (Gemma's modeling code reads hidden_activation and ignores hidden_act)
+    activation_field: str = "hidden_act"
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the activation dtype first (HF)
     sandwich_norms: bool = False  # post_attention_layernorm on the attention output, pre/post_feedforward_layernorm
     qk_norm: bool = False  # an RMSNorm over head_dim on each q and k head, before RoPE
@@ -74,7 +76,7 @@ class Family:
 _LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", embed_scale=True, sandwich_norms=True,
+_GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", activation_field="hidden_activation", embed_scale=True, sandwich_norms=True,
               query_scale_field="query_pre_attn_scalar", attention_bias_on=_ATTENTION, windows="layer_types")
 _GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096}

@@ -119,11 +119,10 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         f = _Fields(text, where, prefix="text_config.")
     config = f.config
     defaults = fam.defaults
-    activation = config.get("hidden_activation") or config.get("hidden_act") or fam.activation
-    if {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(activation) != fam.activation:
-        name = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
-        want = {"silu": "'silu'", "gelu_tanh": "'gelu_pytorch_tanh'"}[fam.activation]
-        raise f.error(name, f"{activation!r} is not supported; the {model_type} family uses {want}")
+    hf_name = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[fam.activation]  # transformers' ACT2FN names
+    if f.get(fam.activation_field, hf_name) != hf_name:
+        raise f.error(fam.activation_field, f"{config[fam.activation_field]!r} is not supported; the {model_type} "
+                                            f"family uses {hf_name!r}")
     if config.get("attention_dropout"):
         warnings.warn(f"{where}: attention_dropout={config['attention_dropout']} is ignored; "
                       "gapless applies no dropout inside attention", stacklevel=2)
