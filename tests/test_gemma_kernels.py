@@ -75,6 +75,15 @@ def test_flex_softcap_forward_matches_reference_cpu(window):
     assert_rel(FlexAttention(compiled=False)(q, k, v, **kw), sdpa_reference(q, k, v, **kw))
 
 
+def test_flex_keeps_one_block_mask_per_window():
+    """Gemma's layers alternate window 4 and none: each batch builds two masks, not one per layer."""
+    flex = FlexAttention(compiled=False)
+    cu, dev = torch.tensor([0, 3, 16], dtype=torch.int32), torch.device("cpu")
+    windowed, full = flex.block_mask(cu, 1, 16, 4, dev), flex.block_mask(cu, 1, 16, None, dev)
+    assert windowed is not full
+    assert flex.block_mask(cu, 1, 16, 4, dev) is windowed and flex.block_mask(cu, 1, 16, None, dev) is full
+
+
 def test_backends_without_softcap_refuse_it_naming_flex(monkeypatch):
     q, k, v = rows(B=1, T=8)
     refusals = [op_attention("ref_op", lambda *a: None)]

@@ -266,7 +266,8 @@ class FlexAttention:
     (and q - kv < sliding_window). Documents never cross rows, so rows need no mask of their own.
 
     The block mask depends only on cu_seqlens, so it is built once per batch and reused by every layer:
-    the cache holds the last one, keyed on the cu_seqlens tensor object (and its in-place version counter).
+    the cache holds the last one per window (Gemma alternates windowed and global layers: with one entry every
+    layer would rebuild it), keyed on the cu_seqlens tensor object (and its in-place version counter).
     Building it is a per-batch cost (a [B*T/128]^2 block scan; bench/kernels_gpu.py prints it); on CUDA it
     goes through torch.compile(create_block_mask) so the dense [B*T, B*T] mask is never materialised.
     `compiled=False` runs flex_attention eagerly: a reference-speed path (it materialises the scores) that
@@ -284,7 +285,7 @@ class FlexAttention:
         self._flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
         self._create_eager = create_block_mask
         self._create_compiled = torch.compile(create_block_mask) if compiled else None
-        self._cache: tuple[tuple, weakref.ref | None, Any] | None = None
+        self._cache: dict[int | None, tuple[tuple, weakref.ref | None, Any]] = {}  # sliding_window -> last mask
 
     @torch.compiler.disable
     def block_mask(self, cu_seqlens: Tensor | None, batch: int, seq: int, sliding_window: int | None,
@@ -295,8 +296,8 @@ class FlexAttention:
             key: tuple = ("rows", batch, seq, sliding_window, str(device))
         else:
             key = ("cu", id(cu_seqlens), cu_seqlens._version, n, sliding_window, str(device))
-        if self._cache is not None:
-            ckey, cref, cmask = self._cache
+        if sliding_window in self._cache:
+            ckey, cref, cmask = self._cache[sliding_window]
             if ckey == key and (cref is None or cref() is cu_seqlens):
                 return cmask
         idx = torch.arange(n, device=device, dtype=torch.int32)
@@ -314,7 +315,7 @@ class FlexAttention:
         create = self._create_compiled if (self._create_compiled is not None and device.type == "cuda") \
             else self._create_eager
         mask = create(document_causal, None, None, n, n, device=device)
-        self._cache = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), mask)
+        self._cache[sliding_window] = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), mask)
         return mask
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None,
