@@ -94,6 +94,14 @@ def test_parity_with_transformers(hf_checkpoint, case):
     ours = gapless.load_model(folder)
     assert ours.args.sliding_window == [4, None, 4] and set(ours.state_dict()) == set(hf.state_dict())
     logits = _check_parity(ours, hf)
+    # the training loss through forward(targets=...): transformers' loss on its (soft-capped) logits, summed,
+    # both through the chunked fused loss (chunks of 5) and the materialised logits
+    ids = torch.randint(0, 88, (2, 12), generator=torch.Generator().manual_seed(5))
+    targets = ids.roll(-1, 1).masked_fill(torch.arange(12) >= 10, -100)
+    expected = F.cross_entropy(_logits(hf, ids).flatten(0, 1), targets.flatten(), reduction="sum")
+    for chunk in (5, None):
+        ours.loss_chunk_size = chunk
+        assert_close(_logits(ours, ids, targets=targets), expected, **TOL)
     if ours.args.final_softcap is not None:  # the cap bends real logits: without it parity would fail
         assert logits.abs().max() < 3.0
         ours.args.final_softcap = None

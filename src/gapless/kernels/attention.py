@@ -175,7 +175,7 @@ def _check_cuda_half(name: str, fallback: str, *tensors: Tensor) -> None:
 def _refuse_softcap(name: str, softcap: float | None) -> None:
     if softcap is not None:
         raise RuntimeError(f"attention backend {name!r} cannot soft-cap attention scores (softcap={softcap}, Gemma 2's "
-                           "attn_logit_softcapping); choose 'flex' (on a GPU; 'auto' picks it) or 'sdpa'")
+                           "attn_logit_softcapping); choose 'flex' (on a GPU) or 'sdpa'")
 
 
 def _check_window(sliding_window: int | None) -> None:
