@@ -76,8 +76,9 @@ class Family:
 _LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", activation_field="hidden_activation", embed_scale=True, sandwich_norms=True,
-              query_scale_field="query_pre_attn_scalar", attention_bias_on=_ATTENTION, windows="layer_types")
+_GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", activation_field="hidden_activation", embed_scale=True,
+              sandwich_norms=True, query_scale_field="query_pre_attn_scalar", attention_bias_on=_ATTENTION,
+              windows="layer_types")
 _GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096}
 
