@@ -219,3 +219,25 @@ def test_packed_gpu_backends_match_the_cpu_reference(hf_checkpoint, case, backen
     got = run(gapless.load_model(folder, dtype=torch.bfloat16, device="cuda", attn_backend=backend), "cuda")
     for a, b in zip(got, ref):
         assert ((a - b).norm() / b.norm()).item() < 3e-2
+
+
+def test_compiled_gemma_layers_compile_per_layer_kind_not_per_layer():
+    """12 Gemma 3 layers alternating sliding and global (their window, RoPE table and norms differ) with grouped
+    LoRA: dynamo compiles one graph per layer kind (layer 0 or not, sliding or global: at most 4), never one per
+    layer, so none runs eager past the recompile limit of 8 (gapless.train.compile.frames_not_compiled)."""
+    from torch._dynamo.utils import counters
+
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+    from gapless.train.compile import compile_layers, frames_not_compiled
+
+    args = model_args_from_config(dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       sliding_window=4, sliding_window_pattern=2))
+    assert args.sliding_window.count(None) == 6
+    torch._dynamo.reset()
+    counters.clear()
+    model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4)), backend="eager")
+    ids, targets = torch.randint(0, 64, (2, 1, 10))
+    model(ids, targets=targets).backward()
+    assert counters["stats"]["unique_graphs"] <= 4 and frames_not_compiled() == 0, dict(counters["stats"])
