@@ -90,6 +90,17 @@ def test_config_mistakes_name_the_field(config, message):
         model_args_from_config({**MINIMAL, **config} if config["model_type"] != "gemma3" else config)
 
 
+def test_explicit_nulls_mean_none_as_in_transformers():
+    """A null soft-cap or window is none (the config class keeps None); absent, the class default applies."""
+    config = {"model_type": "gemma2", **MINIMAL, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+              "sliding_window": None}
+    args = model_args_from_config(config)
+    hf = _hf_config(**config)
+    assert args.attn_softcap is hf.attn_logit_softcapping is None and args.final_softcap is None
+    assert args.sliding_window == [None] * 7 and hf.sliding_window is None
+    assert model_args_from_config({"model_type": "gemma2", **MINIMAL}).attn_softcap == 50.0
+
+
 def test_softcaps_transformers_ignores_are_ignored_with_a_warning():
     with pytest.warns(UserWarning, match="attn_logit_softcapping=50.0 is ignored"):
         args = model_args_from_config({"model_type": "gemma3_text", **MINIMAL, "attn_logit_softcapping": 50.0})

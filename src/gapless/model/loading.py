@@ -87,6 +87,10 @@ class _Fields:
             raise self.error(name, f"expected a positive number, got {value!r}")
         return None if value is None else float(value)
 
+    def nullable(self, name: str, default: float | None) -> float | None:
+        """A positive number where null means none (a soft-cap), and `default` only when the field is absent."""
+        return self.number(name, None) if name in self.config else default
+
     def flag(self, name: str, default: Any = _MISSING, source: dict | None = None) -> bool:
         value = self.get(name, default, source)
         if not isinstance(value, bool):
@@ -175,9 +179,9 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         local_rope_theta=local_theta,
         query_pre_attn_scalar=(f.number(fam.query_scale_field, defaults[fam.query_scale_field])
                                if fam.query_scale_field else None),
-        attn_softcap=f.number("attn_logit_softcapping", defaults.get("attn_logit_softcapping"))
+        attn_softcap=f.nullable("attn_logit_softcapping", defaults.get("attn_logit_softcapping"))
         if fam.attn_softcap else None,
-        final_softcap=f.number("final_logit_softcapping", defaults.get("final_logit_softcapping"))
+        final_softcap=f.nullable("final_logit_softcapping", defaults.get("final_logit_softcapping"))
         if fam.final_softcap else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"),
@@ -277,6 +281,8 @@ def _read_sliding_window(f: _Fields, fam: Family, layers: int) -> list[int | Non
     # window_pattern-th: Gemma 2 alternates from a sliding layer 0, Gemma 3 has 5 sliding per global)
     if fam.windows == "use_sliding_window" and not f.flag("use_sliding_window", False):
         return [None] * layers
+    if fam.windows == "layer_types" and "sliding_window" in f.config and f.config["sliding_window"] is None:
+        return [None] * layers  # Gemma: an explicit null leaves the sliding layers unwindowed, as in transformers
     window = f.integer("sliding_window", fam.defaults["sliding_window"])
     layer_types = f.get("layer_types", None)
     if layer_types is None:
