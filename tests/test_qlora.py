@@ -151,7 +151,7 @@ def test_meta_model_is_filled_by_the_load_hook(hf_checkpoint):
     apply_qlora(meta, LoraConfig(r=4, alpha=8), torch.float32)
     layer = meta.model.layers[1].mlp.down_proj
     assert layer.weight_packed.is_meta
-    hook = qlora_load_hook(meta, "cpu")
+    hook = qlora_load_hook(meta)
     with safe_open(folder / "model.safetensors", "pt") as st:
         consumed = {k for k in st.keys() if hook(k, st.get_tensor(k))}
     assert len(consumed) == 2 * 7 and not hook("model.norm.weight", torch.ones(64))
@@ -186,3 +186,37 @@ def test_compiled_bf16_layer_equals_eager_on_cuda():
     assert_close(out, eager, atol=2e-2, rtol=2e-2)
     assert_close(x.grad, grads[0], atol=2e-2, rtol=2e-2)
     assert_close(q.lora_A.weight.grad, grads[1], atol=2e-2, rtol=2e-2)
+
+
+def test_qlora_run_through_the_loop(tmp_path):
+    import io
+
+    from safetensors import safe_open
+
+    from gapless import demo_task
+    from gapless.config import load_config
+    from gapless.demo import write_base_model
+    from gapless.train.loop import train
+
+    model_dir = write_base_model(tmp_path / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), tmp_path / "train.jsonl")
+
+    def config(out, **overrides):
+        raw = {"model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
+               "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
+                        "tokens_per_batch": 128, "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+               "method": "qlora", "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 1e-2},
+               "checkpoint": {"every": 2}, "train": {"steps": 6, "log_every": 1, "seed": 3},
+               "output_dir": str(tmp_path / out), "progress": False}
+        return load_config(data=raw, overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+    whole = train(config("whole"), out=io.StringIO())
+    losses = [whole.losses[s] for s in sorted(whole.losses)]
+    assert sum(losses[-2:]) / 2 < 0.9 * losses[0], losses
+    with safe_open(whole.final_dir / "adapter_model.safetensors", "pt") as st:
+        keys = set(st.keys())
+    assert keys and all(k.startswith("base_model.model.model.layers.") and ".lora_" in k for k in keys)
+    assert len(keys) == 2 * 7 * 2  # A and B of 7 projections in 2 layers: LoRA's adapter, key for key
+    train(config("split"), stop_after=4, out=io.StringIO())
+    resumed = train(config("split", resume="true"), out=io.StringIO())
+    assert resumed.losses == {s: v for s, v in whole.losses.items() if s > 4}

@@ -451,7 +451,9 @@ class TrainConfig:
 class RunConfig:
     model: ModelConfig
     data: DataConfig
-    method: Literal["lora"] = "lora"  # qlora and full arrive through the same loop
+    # lora: LoRA on the base in model.dtype; qlora: the same LoRA (lora.*) on a base stored as NF4 with double
+    # quantisation; full: every weight trains (float32 master weights under bf16/fp16: gapless.train.optim)
+    method: Literal["lora", "qlora", "full"] = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

@@ -140,8 +140,8 @@ def _blockwise(x: Tensor, blocksize: int) -> tuple[Tensor, Tensor]:
 def quantize_nf4(w: Tensor) -> NF4Weight:
     """NF4 with double quantisation of `w` (any shape, numel a multiple of 64), on w's device.
 
-    Transient memory: ~3 float32 copies of w (12 B per weight: the float32 copy, the scaled values, bucketize's
-    int32); quantise one tensor at a time while loading.
+    Transient memory: up to ~4 float32 copies of w at once (~16 B per weight: the float32 copy, its padded view,
+    the scaled values, bucketize's int32 codes); quantise one tensor at a time while loading.
     """
     if w.numel() % BLOCKSIZE:
         raise ValueError(f"quantize_nf4: a weight of shape {list(w.shape)} has {w.numel()} elements, not a "

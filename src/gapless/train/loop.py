@@ -33,7 +33,8 @@ from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.compile import frames_not_compiled, not_compiled_message
-from gapless.train.optim import build_optimizer, build_scheduler
+from gapless.train.loss_scale import DynamicLossScaler
+from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 from gapless.train.step import loss_sum, train_step
@@ -156,6 +157,8 @@ class Run:
     steps_total: int
     checkpoints: CheckpointManager
     peak_flops: float
+    masters: MasterWeights  # float32 copies of bf16/fp16 trainable weights (full fine-tuning); `params` are these
+    scaler: DynamicLossScaler | None  # fp16's loss scaler; None in bf16/fp32
 
 
 def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None) -> Run:
@@ -183,13 +186,17 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
-    params = list(method.trainable(model).values())
+    # the optimizer updates float32 tensors: the trainable ones as they are, or float32 masters of bf16/fp16 ones
+    masters = MasterWeights(method.trainable(model).items())
+    params = masters.masters
     optimizer = build_optimizer(params, cfg.optim, device.type)
+    masters.attach(optimizer)
+    scaler = DynamicLossScaler(device) if dtype == torch.float16 else None
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                     async_write=cfg.checkpoint.async_write)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
-               sampler, eval_batches, steps_total, checkpoints, peak_flops)
+               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler)
 
 
 def resume(run: Run) -> int:
@@ -201,6 +208,10 @@ def resume(run: Run) -> int:
         return 0
     tensors, meta = load(latest)
     run.method.load_checkpoint_state(run.model, tensors["model"], str(latest))
+    if run.masters.active:
+        run.masters.load_state_dict(tensors.get("master", {}), str(latest))
+    if run.scaler is not None and "loss_scale" in meta:
+        run.scaler.load_state_dict(meta["loss_scale"])
     run.optimizer.load_state_dict(tensors["optimizer"])
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
@@ -232,7 +243,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 micro = [batches.next() for _ in range(k)]  # already on the device
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
-                loss, grad_norm = train_step(run.model, micro, run.params, run.optimizer, cfg.optim.grad_clip)
+                loss, grad_norm = train_step(run.model, micro, run.params, run.optimizer, cfg.optim.grad_clip,
+                                             scaler=run.scaler)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
             window_loss += loss
@@ -265,6 +277,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(),
                           **window.record(timeline.summary()["compute"]),
                           "elapsed_s": time.perf_counter() - timeline.t0}
+                if run.scaler is not None:  # SYNC: read with the loss, once per log_every steps
+                    record |= {"loss_scale": run.scaler.scale.item(), "skipped_steps": int(run.scaler.skipped.item())}
                 write_metrics(metrics, record)
                 result.losses[step] = loss_mean
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
@@ -275,10 +289,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == run.steps_total):
                 with timeline.phase("checkpoint"):
-                    run.checkpoints.save(step, {"model": run.method.checkpoint_state(run.model),
-                                                "optimizer": run.optimizer.state_dict()},
-                                         {"step": step, "scheduler": run.scheduler.state_dict(),
-                                          "sampler": batches.state, "rng": capture_rng_state()})
+                    tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
+                    meta = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": batches.state,
+                            "rng": capture_rng_state()}
+                    if run.masters.active:
+                        tensors["master"] = run.masters.state_dict()
+                    if run.scaler is not None:
+                        meta["loss_scale"] = run.scaler.state_dict()  # SYNC: at checkpoint time only
+                    run.checkpoints.save(step, tensors, meta)
 
             if run.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
                     and step < run.steps_total:

@@ -117,20 +117,26 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float) -> Tensor:
 
 
 class MasterWeights:
-    """float32 master copies of low-precision trainable parameters (the module docstring's precision table).
+    """float32 master copies of the low-precision trainable parameters (the module docstring's precision table).
 
-    Give `masters` to build_optimizer, clip_grad_norm and the loss scaler; call `copy_to_model()` after each
-    optimizer step. Backward folds each model gradient into its master's float32 .grad and frees it.
+    `masters` are what the optimizer, clip_grad_norm and the loss scaler work on: a float32 parameter is its own
+    master (LoRA's adapters: nothing is copied or hooked), a bf16/fp16 one gets a float32 copy, and backward
+    folds its gradient into that copy's float32 .grad and frees it. `attach(optimizer)` copies the updated masters
+    into the model after every optimizer step.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Tensor]]):
         named = [(n, p) for n, p in named_params if p.requires_grad]
-        assert named and all(p.dtype != torch.float32 for _, p in named), "MasterWeights is for bf16/fp16 weights"
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold_into(m))
-                       for p, m in zip(self.params, self.masters)]
+        self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+                        for _, p in named]
+        # (name, model parameter, its float32 master) of the low-precision ones
+        self._copies = [(n, p, m) for (n, p), m in zip(named, self.masters) if m is not p]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._fold_into(m)) for _, p, m in self._copies]
+
+    @property
+    def active(self) -> bool:
+        """Whether any trainable parameter has a float32 copy (full fine-tuning in bf16/fp16)."""
+        return bool(self._copies)
 
     @staticmethod
     def _fold_into(master: Tensor) -> Callable[[Tensor], None]:
@@ -144,26 +150,28 @@ class MasterWeights:
 
         return hook
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer.step(), round the updated masters into the model (nothing to do when none is
+        active). A step the loss scaler skips leaves the masters as they were, so the copy changes nothing."""
+        if self.active:
+            optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
+
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        """Round the updated masters into the model's weights (round to nearest even, as .to(bf16) does)."""
-        for p, m in zip(self.params, self.masters):
+        """Round the masters into the model's weights (round to nearest even, as .to(bf16) does)."""
+        for _, p, m in self._copies:
             p.copy_(m)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The float32 masters by parameter name: what a full fine-tuning checkpoint holds for bit-exact resume."""
-        return dict(zip(self.names, self.masters))
+        """The float32 masters by parameter name: with the optimizer's state, what bit-exact resume needs."""
+        return {n: m for n, _, m in self._copies}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        missing = sorted(set(self.names) - set(state))
+    def load_state_dict(self, state: dict[str, Tensor], where: str = "checkpoint") -> None:
+        missing = sorted({n for n, _, _ in self._copies} - set(state))
         if missing:
-            raise ValueError(f"master weights: the checkpoint lacks {missing[:5]} ({len(missing)} in all); was it "
-                             "written by a run with another method?")
-        for name, m in zip(self.names, self.masters):
-            m.copy_(state[name])
+            raise ValueError(f"{where}: lacks the float32 master weights {missing[:5]} ({len(missing)} in all); "
+                             "was it written by a run with another method or dtype?")
+        for n, _, m in self._copies:
+            m.copy_(state[n])
         self.copy_to_model()
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
