@@ -180,6 +180,12 @@ def test_full_run_through_the_loop_lowers_the_loss_and_resumes_bit_exactly(demo)
     for (name, a), b in zip(final.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
 
+    from gapless.train.export import export
+
+    exported = gapless.load_model(export(whole.run_dir, demo["root"] / "exported"), dtype=torch.bfloat16)
+    for (name, a), b in zip(final.state_dict().items(), exported.state_dict().values()):
+        assert torch.equal(a, b), name  # the last checkpoint's float32 masters, rounded as the run rounded them
+
 
 def test_fp16_run_counts_its_skipped_steps(demo):
     import io

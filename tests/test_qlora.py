@@ -11,7 +11,7 @@ from gapless.config import LoraConfig
 from gapless.kernels.nf4 import quantize_nf4
 from gapless.model.export import save_pretrained
 from gapless.model.lora import LoraLinear, apply_lora, lora_state_dict, merge_lora, save_adapter
-from gapless.model.qlora import QLoraLinear, apply_qlora, qlora_load_hook
+from gapless.model.qlora import QLoraLinear, apply_qlora, qlora_load_hook, to_qlora
 
 # float32 on the CPU: the QLoRA layer runs the same matmuls on the same dequantised weight as the reference, so
 # forward and gradients agree to float32 rounding of a different summation order (the bias, dx's two terms)
@@ -220,3 +220,18 @@ def test_qlora_run_through_the_loop(tmp_path):
     train(config("split"), stop_after=4, out=io.StringIO())
     resumed = train(config("split", resume="true"), out=io.StringIO())
     assert resumed.losses == {s: v for s, v in whole.losses.items() if s > 4}
+
+    # `gapless export --merge`: the adapter merged into the dequantised NF4 base, from the adapter or a checkpoint
+    from gapless.model.lora import load_adapter
+    from gapless.train.export import export
+
+    ids = torch.randint(0, 20, (1, 16), generator=torch.Generator().manual_seed(0))
+    qlora_model, _ = load_adapter(gapless.load_model(model_dir), whole.final_dir)
+    with torch.no_grad():
+        plain = qlora_model.eval()(ids)  # the adapter on the unquantised base
+        expected = to_qlora(qlora_model, torch.float32).eval()(ids)
+    assert (plain - expected).abs().max() > 1e-3  # so the parity below shows the merge used the NF4 base
+    for source in (whole.run_dir, whole.run_dir / "checkpoints" / "step-00000006"):
+        merged = export(source, tmp_path / f"merged-{source.name}", merge=True, dtype="float32")
+        with torch.no_grad():
+            assert_close(gapless.load_model(merged).eval()(ids), expected, atol=1e-5, rtol=0)
