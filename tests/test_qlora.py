@@ -235,3 +235,27 @@ def test_qlora_run_through_the_loop(tmp_path):
         merged = export(source, tmp_path / f"merged-{source.name}", merge=True, dtype="float32")
         with torch.no_grad():
             assert_close(gapless.load_model(merged).eval()(ids), expected, atol=1e-5, rtol=0)
+
+
+def test_bench_rows_for_qlora_and_full(tmp_path, monkeypatch):
+    # `gapless bench` with the methods on the CPU (the sdpa path; the GPU configs qlora_best, full_best use varlen)
+    import json
+
+    import numpy as np
+
+    from gapless import bench, cli
+
+    tiny = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(tiny))
+    (tmp_path / "lengths.txt").write_text(" ".join(map(str, np.random.default_rng(0).integers(5, 60, 100))))
+    monkeypatch.setitem(bench.CONFIGS, "q_cpu", bench.Recipe("packed", "sdpa", "fused", method="qlora"))
+    monkeypatch.setitem(bench.CONFIGS, "f_cpu", bench.Recipe("packed", "sdpa", "fused", method="full"))
+    assert cli.main(["bench", "--model", str(tmp_path / "tiny"), "--lengths", str(tmp_path / "lengths.txt"),
+                     "--max-seq-len", "64", "--tokens-per-batch", "128", "--steps", "2", "--warmup", "1",
+                     "--profile-steps", "1", "--out", str(tmp_path / "results.jsonl"), "--config", "q_cpu,f_cpu",
+                     "--dtype", "float32"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["error"]) for r in rows] == [("qlora", None), ("full", None)]
+    assert rows[0]["lora"]["r"] == 16 and rows[1]["lora"] is None and all(r["real_tok_s"] > 0 for r in rows)
