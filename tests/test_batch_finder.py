@@ -116,3 +116,109 @@ def test_oom_below_the_minimum_is_raised():
     with pytest.raises(torch.OutOfMemoryError, match="after 2 back-offs"):
         run_with_oom_backoff(step, 256, torch.device("cpu"), shrink=0.5, granularity=32, minimum=64)
     assert attempts == [256, 128, 64]
+
+
+# -- wired into the loop: data.tokens_per_batch auto, and an OOM mid-run
+
+def _demo_config(tmp_path, out, **overrides):
+    from gapless import demo_task
+    from gapless.config import load_config
+    from gapless.demo import write_base_model
+
+    if not (tmp_path / "base").is_dir():
+        write_base_model(tmp_path / "base", seed=0)
+        demo_task.write_jsonl(demo_task.make_examples(100, seed=1), tmp_path / "train.jsonl")
+    raw = {"model": {"path": str(tmp_path / "base"), "dtype": "float32", "device": "cpu"},
+           "data": {"sources": [{"path": str(tmp_path / "train.jsonl"), "format": "messages"}], "max_seq_len": 64,
+                    "tokens_per_batch": 256, "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+           "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 1e-2},
+           "train": {"steps": 3, "grad_accum": 2, "log_every": 1, "seed": 3},
+           "output_dir": str(tmp_path / out), "progress": False}
+    return load_config(data=raw, overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_auto_is_a_config_value_that_needs_a_gpu(tmp_path):
+    import io
+
+    from gapless.data.batching import BatchSampler
+    from gapless.train.loop import train
+
+    cfg = _demo_config(tmp_path, "auto", **{"data.tokens_per_batch": "auto"})
+    assert cfg.data.tokens_per_batch == "auto"
+    with pytest.raises(ValueError, match=r"data.tokens_per_batch: 'autoo' matches none.*|did you mean 'auto'"):
+        _demo_config(tmp_path, "x", **{"data.tokens_per_batch": "autoo"})
+    with pytest.raises(ValueError, match="data.tokens_per_batch: auto is chosen by `gapless train` on a GPU"):
+        BatchSampler.from_config(cfg.data, None)
+    with pytest.raises(ValueError, match="data.tokens_per_batch: auto measures the GPU's memory"):
+        train(cfg, out=io.StringIO())
+
+
+def test_split_rows_keeps_the_loss_and_the_token_counts(tmp_path):
+    from gapless.data.batching import BatchSampler
+    from gapless.data.tokenize import build_data
+    from gapless.model.loading import load_model
+    from gapless.train.batch_finder import split_rows
+    from gapless.train.step import loss_sum
+
+    cfg = _demo_config(tmp_path, "split")
+    mix, _, _ = build_data(cfg.data, cfg.model.path)
+    batch = next(iter(BatchSampler.from_config(cfg.data, mix).epoch_batches(0)))  # 4 packed rows of 64
+    model = load_model(cfg.model.path)
+    pieces = split_rows(batch, 1)
+    assert len(pieces) == 4 and sum(p.num_target_tokens for p in pieces) == batch.num_target_tokens
+    assert all(int(p.cu_seqlens[-1]) == 64 and int(p.cu_seqlens[0]) == 0 for p in pieces)
+    with torch.no_grad():
+        whole = loss_sum(model, batch)
+        parts = sum(loss_sum(model, p) for p in pieces)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_an_oom_mid_run_backs_off_and_the_run_finishes(tmp_path, monkeypatch):
+    import io
+    import json
+
+    from gapless.train import loop
+    from gapless.train.step import train_step
+
+    reference = loop.train(_demo_config(tmp_path, "reference"), out=io.StringIO())
+    calls = []
+
+    def flaky_step(model, micro, *args, **kwargs):
+        calls.append(max(b.input_ids.shape[0] for b in micro))  # rows per piece
+        if len(calls) == 2:  # step 2's first attempt, after a partial forward and backward
+            model(micro[0].input_ids).sum().backward()  # gradients the retry must not keep
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return train_step(model, micro, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", flaky_step)
+    result = loop.train(_demo_config(tmp_path, "oom"), out=io.StringIO())
+    records = [json.loads(line) for line in open(result.run_dir / "metrics.jsonl")]
+    backoffs = [r for r in records if r.get("kind") == "oom_backoff"]
+    assert backoffs == [{"kind": "oom_backoff", "step": 2, "rows_per_micro_batch": [4, 2]}]
+    assert calls == [4, 4, 2, 2]  # step 1 whole, step 2 OOM then in halves, step 3 keeps the halves
+    assert result.final_dir is not None and sorted(result.losses) == [1, 2, 3]
+    for s in (1, 2, 3):  # the same tokens per step in smaller pieces: the same losses
+        assert result.losses[s] == pytest.approx(reference.losses[s], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_a_gpu_chooses_records_and_resumes(tmp_path):
+    import io
+    import json
+
+    from gapless.train.loop import train
+
+    cfg = _demo_config(tmp_path, "gpu", **{"data.tokens_per_batch": "auto", "model.device": "cuda",
+                                           "model.dtype": "bfloat16", "checkpoint.every": 1})
+    result = train(cfg, stop_after=2, out=io.StringIO())
+    chosen = json.loads((result.run_dir / "batch_finder.json").read_text())
+    assert chosen["tokens"] >= 64 and chosen["tokens"] % 64 == 0 and chosen["trials"], chosen
+    import yaml
+
+    assert yaml.safe_load((result.run_dir / "config.yaml").read_text())["data"]["tokens_per_batch"] == chosen["tokens"]
+    resumed = train(_demo_config(tmp_path, "gpu", **{"data.tokens_per_batch": "auto", "model.device": "cuda",
+                                                     "model.dtype": "bfloat16", "checkpoint.every": 1,
+                                                     "resume": "true"}), out=io.StringIO())
+    assert resumed.final_dir is not None
+    assert json.loads((result.run_dir / "batch_finder.json").read_text()) == chosen

@@ -23,6 +23,9 @@ from typing import TypeVar
 
 import torch
 
+from gapless.data.batching import IGNORE, Batch
+from gapless.meter.memory import GIB, estimate_memory, max_tokens
+
 T = TypeVar("T")
 
 
@@ -121,3 +124,82 @@ def run_with_oom_backoff(step: Callable[[int], T], tokens: int, device: torch.de
     raise torch.OutOfMemoryError(f"out of memory with {tokens:,} tokens per micro-batch after {attempt} back-offs "
                                  f"of {1 - shrink:.0%} (at most {max_retries}, minimum {minimum:,}); set "
                                  "data.tokens_per_batch lower or turn on model.activation_checkpointing")
+
+
+def split_rows(batch: Batch, rows: int) -> list[Batch]:
+    """The batch as pieces of at most `rows` rows each (a step retried after an OOM, with the same tokens). Their
+    token counts sum to the batch's, so a step over the pieces has the batch's loss and gradient (gapless.train.step).
+    Used only after an OOM back-off: it reads cu_seqlens and the targets on the host (SYNC, once per piece)."""
+    B, T = batch.input_ids.shape
+    if rows >= B:
+        return [batch]
+    cu = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else None  # SYNC: after an OOM only
+    pieces = []
+    for r0 in range(0, B, rows):
+        r1 = min(B, r0 + rows)
+        sl = slice(r0, r1)
+        cu_piece = None
+        if cu is not None:  # every row ends a segment (a packed row's padding tail is its own), so rows split cleanly
+            offsets = [c - r0 * T for c in cu if r0 * T <= c <= r1 * T]
+            cu_piece = torch.tensor(offsets, dtype=torch.int32, device=batch.cu_seqlens.device)
+        mask = batch.attention_mask[sl] if batch.attention_mask is not None else None
+        # real tokens: the step reads only the trained-token counts; the loop counts real tokens on the whole batch,
+        # so a packed piece's padding tail is not told apart here
+        real = int(mask.sum()) if mask is not None else (r1 - r0) * T  # SYNC (padded)
+        pieces.append(Batch(batch.input_ids[sl], batch.targets[sl], batch.position_ids[sl], cu_piece, batch.max_seqlen,
+                            mask, real, int((batch.targets[sl] != IGNORE).sum()), (r1 - r0) * T))  # SYNC
+    return pieces
+
+
+def full_rows(rows: int, seq_len: int, vocab_size: int, device: torch.device) -> Batch:
+    """`rows` packed rows, each one document of seq_len random tokens, every token but the last trained: a trial
+    step's batch. Memory depends on the slots, not on the documents' boundaries or token values (padding runs
+    through every layer too), so the trials need no data."""
+    ids = torch.randint(0, vocab_size, (rows, seq_len), device=device)
+    targets = ids.roll(-1, dims=1)
+    targets[:, -1] = IGNORE
+    positions = torch.arange(seq_len, device=device).expand(rows, seq_len)
+    cu_seqlens = torch.arange(0, rows * seq_len + 1, seq_len, dtype=torch.int32, device=device)
+    n = rows * seq_len
+    return Batch(ids, targets, positions, cu_seqlens, seq_len, None, n, n - rows, n, (seq_len,) * rows)
+
+
+def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.device, method: str, *, max_seq_len: int,
+                            estimate: dict, fraction: float = 0.9, backoff: float = 0.1,
+                            maximum: int | None = None) -> BatchChoice:
+    """`data.tokens_per_batch: auto` for an assembled model: the memory model's proposal for `fraction` of the memory
+    this process can use (free now + what it already holds: the weights), then trial steps (forward and backward
+    of full packed rows; the optimizer's state, allocated at the first real step, added as 8 B per trainable
+    element), in whole rows of max_seq_len. `estimate`: estimate_memory's keyword arguments for this run. The trials
+    draw random numbers under a forked RNG, so the run's own stream is as without them."""
+    if device.type != "cuda":
+        raise ValueError(f"data.tokens_per_batch: auto measures the GPU's memory, and this run is on {device.type}; "
+                         "give a number of tokens")
+    from gapless.train.step import loss_sum
+
+    free, _ = torch.cuda.mem_get_info(device)
+    capacity = free + torch.cuda.memory_allocated(device)
+    slope = estimate_memory(model.args, method, tokens=max_seq_len, **estimate).per_token_bytes
+    predicted = max_tokens(model.args, method, fraction * capacity / GIB, **estimate)
+    optimizer_bytes = 8 * sum(p.numel() for p in params)
+
+    def try_step(tokens: int) -> float | None:
+        batch = full_rows(tokens // max_seq_len, max_seq_len, model.args.vocab_size, device)
+        torch.cuda.reset_peak_memory_stats(device)
+        peak = None
+        try:
+            loss_sum(model, batch).backward()
+            peak = torch.cuda.max_memory_allocated(device) + optimizer_bytes
+        except torch.OutOfMemoryError:
+            pass  # freed below, outside the handler
+        del batch
+        model.zero_grad(set_to_none=True)
+        for p in params:  # float32 masters hold the folded gradients of full fine-tuning
+            p.grad = None
+        free_memory(device)
+        return peak
+
+    with torch.random.fork_rng(devices=[device]):
+        return find_token_budget(predicted, try_step, capacity, fraction=fraction, backoff=backoff,
+                                 granularity=max_seq_len, minimum=max_seq_len, maximum=maximum,
+                                 per_token_bytes=slope)

@@ -31,6 +31,7 @@ from gapless.meter.report import write_report
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
+from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.compile import frames_not_compiled, not_compiled_message
 from gapless.train.loss_scale import DynamicLossScaler
@@ -172,14 +173,6 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
 
-    # -- data: tokenized once (cached), then a seeded, resumable batch stream
-    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-    mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
-    progress.message(summary.format())
-    sampler = BatchSampler.from_config(cfg.data, mix)
-    eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
-    steps_total = total_steps(cfg, sampler.batches_per_epoch())
-
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
     method = method_of(cfg)
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
@@ -189,6 +182,17 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # the optimizer updates float32 tensors: the trainable ones as they are, or float32 masters of bf16/fp16 ones
     masters = MasterWeights(method.trainable(model).items())
     params = masters.masters
+    if cfg.data.tokens_per_batch == "auto":
+        cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
+
+    # -- data: tokenized once (cached), then a seeded, resumable batch stream
+    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+    mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
+    progress.message(summary.format())
+    sampler = BatchSampler.from_config(cfg.data, mix)
+    eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
+    steps_total = total_steps(cfg, sampler.batches_per_epoch())
+
     optimizer = build_optimizer(params, cfg.optim, device.type)
     masters.attach(optimizer)
     scaler = DynamicLossScaler(device) if dtype == torch.float16 else None
@@ -197,6 +201,32 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
                                     async_write=cfg.checkpoint.async_write)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
                sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler)
+
+
+def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
+                          run_dir: Path, progress: Progress) -> RunConfig:
+    """cfg with data.tokens_per_batch "auto" replaced by the batch finder's choice (gapless.train.batch_finder),
+    recorded in the run folder (batch_finder.json: every trial and the reason; config.yaml: the number). A resumed
+    run reuses the recorded choice: the sampler's position is only valid for the same batches."""
+    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
+    from gapless.train.batch_finder import choose_tokens_per_batch
+
+    record = run_dir / "batch_finder.json"
+    if cfg.resume and record.is_file():
+        tokens = int(json.loads(record.read_text())["tokens"])
+        progress.message(f"data.tokens_per_batch auto: {tokens:,}, as chosen before ({record})")
+    else:
+        estimate = {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
+                    "activation_checkpointing": cfg.model.activation_checkpointing,
+                    "compiled": bool(cfg.model.compile), "loss_chunk": model.loss_chunk_size or DEFAULT_CHUNK_SIZE}
+        choice = choose_tokens_per_batch(model, params, device, method.name, max_seq_len=cfg.data.max_seq_len,
+                                         estimate=estimate)
+        record.write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
+        tokens = choice.tokens
+        progress.message(f"data.tokens_per_batch auto: {choice.reason}")
+    cfg = replace(cfg, data=replace(cfg.data, tokens_per_batch=tokens))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))  # the number that runs
+    return cfg
 
 
 def resume(run: Run) -> int:
@@ -231,6 +261,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     window = ThroughputWindow(run.peak_flops)
     frames_failed_before = frames_not_compiled()
     steps_this_run = 0
+    # rows per micro-batch: the batches' rows until a CUDA OOM halves it (the same step then runs again in smaller
+    # pieces with the same tokens, and the rest of the run keeps the smaller pieces: gapless.train.batch_finder)
+    rows = 1 << 30  # no cap until an OOM
     t_steady = steady_mark = None
     if run.eval_batches and cfg.model.compile:
         # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
@@ -243,8 +276,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 micro = [batches.next() for _ in range(k)]  # already on the device
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
-                loss, grad_norm = train_step(run.model, micro, run.params, run.optimizer, cfg.optim.grad_clip,
-                                             scaler=run.scaler)
+                start = min(rows, max(b.input_ids.shape[0] for b in micro))
+                (loss, grad_norm), ran = run_with_oom_backoff(
+                    lambda r: train_step(run.model, [p for b in micro for p in split_rows(b, r)], run.params,
+                                         run.optimizer, cfg.optim.grad_clip, scaler=run.scaler, zero_first=True),
+                    start, device, shrink=0.5, granularity=1, minimum=1,
+                    on_oom=lambda old, new: write_metrics(metrics, {"kind": "oom_backoff", "step": step + 1,
+                                                                     "rows_per_micro_batch": [old, new]}))
+                rows = min(rows, ran)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
             window_loss += loss
