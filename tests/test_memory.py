@@ -108,3 +108,33 @@ def test_table_and_errors():
         estimate_memory(TINY, "dora", tokens=1)
     with pytest.raises(ValueError, match=r"lora targets: \['lm_head'\]"):
         estimate_memory(TINY, "lora", tokens=1, lora_targets=["lm_head"])
+
+
+def test_dry_run_prints_memory_steps_and_time(shared, tmp_path, capsys):
+    import json
+
+    from gapless import cli
+
+    data = tmp_path / "train.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 30},
+                                             {"role": "assistant", "content": f"answer {i} " * 60}]}) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {"path": str(MODELS / "llama-3.1-8b"), "dtype": "bfloat16", "activation_checkpointing": 1},
+        "data": {"sources": [{"path": str(data)}], "tokenizer": str(shared / "tokenizers" / "llama3"),
+                 "max_seq_len": 4096, "tokens_per_batch": 8192, "cache_dir": str(tmp_path / "cache"),
+                 "num_workers": 0},
+        "method": "qlora", "train": {"epochs": 2, "grad_accum": 2}, "output_dir": str(tmp_path / "run")}))
+    assert cli.main(["train", str(config), "--dry-run", "--gpu-gib", "24", "--tokens-per-s", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak memory, qlora, bfloat16 (8,192 tokens per micro-batch)" in out
+    assert "fits a 24 GiB GPU" in out and "tokens per step: 16,384 slots (2 x 8,192)" in out
+    assert "at 4,000 real tokens/s (given)" in out
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+    assert cli.main(["train", str(config), "data.tokens_per_batch=auto", "method=full",
+                     "model.activation_checkpointing=0", "--dry-run", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "data.tokens_per_batch auto: ~" in out and "on a 80 GiB GPU" in out and "stated: 780 TFLOP/s" in out

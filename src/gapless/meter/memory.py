@@ -176,3 +176,62 @@ def format_table(est: MemoryEstimate, title: str = "predicted peak memory") -> s
     lines.append(f"  {'total':<{width}}  {est.total_gib:8.2f} GiB  "
                  f"(torch.cuda.max_memory_allocated would read ~{est.allocated_gib:.2f})")
     return "\n".join(lines)
+
+
+# what `gapless train CONFIG --dry-run` assumes for the time when no --tokens-per-s is given: the dense bf16 peak
+# measured on the H200 (~780 TFLOP/s, bench/RESULTS.md) at the MFU gapless measured there for Llama-3.2-3B LoRA
+# (0.58-0.63 in bench/results.jsonl; 0.55 stated, a little below, for other models and methods)
+STATED_PEAK_FLOPS = 780e12
+STATED_MFU = 0.55
+
+
+def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None = None) -> str:
+    """`gapless train CONFIG --dry-run`: the predicted peak memory (format_table) at the config's tokens per
+    micro-batch (for "auto", what the batch finder would pick on a `gpu_gib` GPU by the memory model alone), the
+    tokens per step, the steps, and the predicted time at `tokens_per_s` (else the stated H200 rate above).
+    Reads and tokenizes the data (cached) to count the batches; loads no weights."""
+    import math
+    from dataclasses import replace
+
+    from gapless.data.tokenize import build_data
+    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
+    from gapless.meter.flops import step_flops
+    from gapless.model.loading import read_model_args
+    from gapless.model.method import method_of
+
+    args = read_model_args(cfg.model.path)
+    estimate = {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
+                "activation_checkpointing": cfg.model.activation_checkpointing,
+                "compiled": cfg.model.compile is not False, "loss_chunk": DEFAULT_CHUNK_SIZE}
+    seq = cfg.data.max_seq_len
+    lines = []
+    tokens = cfg.data.tokens_per_batch
+    if tokens == "auto":
+        if gpu_gib is None:
+            raise ValueError("--gpu-gib: data.tokens_per_batch is auto; give the GPU's memory in GiB (e.g. 80) to "
+                             "predict what the batch finder picks")
+        best = max_tokens(args, cfg.method, 0.9 * gpu_gib, **estimate)
+        tokens = max(seq, int(best * 0.9) // seq * seq)
+        lines.append(f"data.tokens_per_batch auto: ~{tokens:,} on a {gpu_gib:g} GiB GPU by the memory model "
+                     f"({best:,} at 90% of it, less 10%); the run measures its own choice")
+    est = estimate_memory(args, cfg.method, tokens=tokens, **estimate)
+    lines.append(format_table(est, f"predicted peak memory, {cfg.method}, {cfg.model.dtype}"))
+    if gpu_gib is not None:
+        lines.append(f"  {'fits' if est.total_gib <= gpu_gib else 'does NOT fit'} a {gpu_gib:g} GiB GPU")
+
+    mix, _, summary = build_data(replace(cfg.data, tokens_per_batch=tokens), cfg.data.tokenizer or cfg.model.path)
+    k = cfg.train.grad_accum
+    steps = cfg.train.steps or math.ceil(cfg.train.epochs * summary.batches_per_epoch / k)
+    real_per_step = tokens * k * summary.packing_efficiency
+    lengths = [int(n) for n in mix.lengths]
+    flops_per_token = step_flops(args, lengths, **method_of(cfg).flops) / max(sum(lengths), 1)
+    stated = tokens_per_s is None
+    rate = STATED_PEAK_FLOPS * STATED_MFU / flops_per_token if stated else tokens_per_s
+    seconds = steps * real_per_step / rate
+    lines.append(f"tokens per step: {tokens * k:,} slots ({k} x {tokens:,}), ~{real_per_step:,.0f} real at "
+                 f"{100 * summary.packing_efficiency:.1f}% packing; steps: {steps:,}")
+    lines.append(f"predicted time: {seconds / 3600:.2f} h at {rate:,.0f} real tokens/s "
+                 + (f"(stated: {STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s x MFU {STATED_MFU} / "
+                    f"{flops_per_token / 1e9:.1f} GFLOP per token; pass --tokens-per-s for a measured rate)"
+                    if stated else "(given)"))
+    return "\n".join(lines)
