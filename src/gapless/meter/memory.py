@@ -27,7 +27,9 @@ projections without activation checkpointing at 16,384 tokens on an H200 (peak =
 as the tensors a layer saves for backward: ~7 bf16 vectors of the hidden size (norm input and output, q, k, v,
 attention output, o_proj input: 14 B) and ~3 of the intermediate size (gate, up, their product: 6 B, a little
 less where Inductor recomputes the SiLU). Eager layers (model.compile false) save more: x 1.34, from the 3B
-packed_fused row (61.38 GiB, same run), the one eager measurement. With activation checkpointing a checkpointed
+packed_fused row (61.38 GiB, same run), the one fully eager measurement; a check it was not fitted to: run
+s3-grouped's grouped rows ran 20 of 28 layers eager (a recompile bug, bench/RESULTS.md) and measured 55.53 GiB,
+which 8 compiled + 20 eager layers predict as 56.18 (+1.2%). With activation checkpointing a checkpointed
 layer keeps only its input (2 x hidden B per token in bf16) and one layer's activations exist again during its
 backward. The QLoRA, full fine-tuning and checkpointing terms are derived, not yet fitted: bench/RESULTS.md gets
 predicted against measured once the GPU runs them.
