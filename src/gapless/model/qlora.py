@@ -97,21 +97,23 @@ class QLoraLinear(LoraLinear):
                                 self.weight_offset, (self.out_features, self.in_features))
 
     def forward(self, x: Tensor) -> Tensor:
-        # every kernel runs the plain update here ("fused" fuses into a bf16 base GEMM that does not exist here)
-        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype)), self.lora_B.weight.to(x.dtype))
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype)),
+                          self.lora_B.weight.to(x.dtype))
         return self.base_forward(x) + update * self.scaling
 
     @staticmethod
     def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-        """LoraLinear.group_forward for QLoRA layers: one matmul for the A matrices of the "grouped" layers that
-        read x (no dropout mask drawn), each base through its own dequantised weight; other layers run alone."""
-        joins = [isinstance(layer, QLoraLinear) and layer.kernel == "grouped" and not layer.dropping
-                 for layer in layers]
+        """LoraLinear.group_forward for QLoRA layers: one matmul for the A matrices of the "grouped" layers that read
+        x, under one dropout mask for the group as there (gapless.kernels.lora.lora_linear_grouped), each base through
+        its own dequantised weight (LoraLinear's would save each dequantised weight for backward); other layers run
+        alone."""
+        joins = [isinstance(layer, QLoraLinear) and layer.kernel == "grouped" for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
         a = torch.cat([g.lora_A.weight.to(x.dtype) for g in grouped])  # [sum r, in]
-        xas = iter(F.linear(x, a).split([g.lora_A.out_features for g in grouped], dim=-1))  # each [..., r]
+        xd = grouped[0].lora_dropout(x)
+        xas = iter(F.linear(xd, a).split([g.lora_A.out_features for g in grouped], dim=-1))  # each [..., r]
         return [layer.base_forward(x) + F.linear(next(xas), layer.lora_B.weight.to(x.dtype)) * layer.scaling
                 if join else layer(x) for layer, join in zip(layers, joins)]
 
