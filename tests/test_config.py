@@ -89,7 +89,7 @@ MISTAKES = [
     (["model.dtype=bf16"], ["config.model.dtype", "'bf16' is not one of"]),
     (["data.sources.0.format=jsonl"], ["config.data.sources[0].format", "'jsonl' is not one of"]),
     (["data.batching=pack"], ["config.data.batching", "did you mean 'packed'"]),
-    (["method=qlora2"], ["config.method", "is not one of ['lora']"]),
+    (["method=qlora2"], ["config.method", "is not one of ['lora', 'qlora', 'full']", "did you mean 'qlora'"]),
     # impossible values and combinations
     (["train.eval_every=10"], ["config.train.eval_every", "no held-out data", "data.eval_fraction"]),
     (["train.steps=-1"], ["config.train.steps", "must be >= 0"]),

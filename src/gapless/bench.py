@@ -85,11 +85,11 @@ from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import DTYPES, model_args_from_config, read_config
-from gapless.model.method import Lora
+from gapless.model.method import Full, Lora, Method, Qlora
 from gapless.train.assemble import assemble, random_tensors
 from gapless.train.compile import frames_not_compiled
 from gapless.train.loop import resolve_device
-from gapless.train.optim import build_optimizer
+from gapless.train.optim import MasterWeights, build_optimizer
 from gapless.train.step import train_step
 
 MD_START, MD_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -108,13 +108,15 @@ class Recipe:
     lora_kernel: str = "reference"
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
     lora_dropout: float = 0.0
+    method: str = "lora"  # config.method: lora | qlora (NF4 base) | full (every weight, float32 masters)
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
                          + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
-                         + ([f"LoRA dropout {self.lora_dropout:g}"] if self.lora_dropout else []))
+                         + ([f"LoRA dropout {self.lora_dropout:g}"] if self.lora_dropout else [])
+                         + ([f"method {self.method}"] if self.method != "lora" else []))
 
 
 CONFIGS = {
@@ -137,6 +139,12 @@ CONFIGS = {
     # best with flash-attn-4 behind torch custom ops, so the compiled layer keeps one graph (kernels/attention.py,
     # fa4_op): the fastest measured (36,436 tok/s for Llama-3.2-3B on the H200, run s3-grouped2)
     "best_fa4": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="grouped"),
+    # the other methods on best's path (issue 14): QLoRA (NF4 base, r16 on all 7), full fine-tuning (bf16 weights,
+    # float32 masters and AdamW state); qlora_ckpt checkpoints every layer (Llama-3.1-8B's 24 GiB-card setting)
+    "qlora_best": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped", method="qlora"),
+    "qlora_ckpt": Recipe("packed", "varlen", "fused_compiled", checkpoint=True, compile=True, lora_kernel="grouped",
+                         method="qlora"),
+    "full_best": Recipe("packed", "varlen", "fused_compiled", compile=True, method="full"),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
@@ -155,10 +163,12 @@ PEER_FIRST_CALL_S = 30.0  # imports and building the model
 
 
 def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: torch.dtype, lora_r: int = 16,
-                seed: int = 0) -> tuple[CausalLM, Lora]:
+                seed: int = 0) -> tuple[CausalLM, Method]:
     """The architecture with random weights (no checkpoint on disk), assembled as a run assembles its model
-    (gapless.train.assemble: built on meta, LoRA, checkpointing, compile, then the weights), and the recipe's loss."""
-    method = Lora(LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout))
+    (gapless.train.assemble: built on meta, the method, checkpointing, compile, then the weights), and the recipe's
+    loss."""
+    lora = LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout)
+    method = {"lora": lambda: Lora(lora), "qlora": lambda: Qlora(lora, dtype), "full": Full}[recipe.method]()
     with torch.device("meta"):
         model = CausalLM(args, attn_backend=recipe.attn)
     model = assemble(model, method, device, dtype, activation_checkpointing=int(recipe.checkpoint),
@@ -310,10 +320,12 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
                             batches[opts.warmup + opts.steps:])
 
     model, method = build_model(ctx.args, recipe, device, ctx.dtype, opts.lora_r)
-    lora = method.cfg
+    lora = getattr(method, "cfg", None)  # None for full fine-tuning
     frames_failed_before = frames_not_compiled()
-    params = list(method.trainable(model).values())
+    masters = MasterWeights(method.trainable(model).items())  # as the loop: float32 masters of bf16 trainables
+    params = masters.masters
     optimizer = build_optimizer(params, OptimConfig(grad_clip=GRAD_CLIP), device.type)
+    masters.attach(optimizer)
 
     def step(b: Batch, mark=None):  # the loop's step (gapless.train.step) without the scheduler
         return train_step(model, [b], params, optimizer, GRAD_CLIP, mark)[0]
@@ -363,8 +375,8 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
         opt_ms=round(phases[2], 2) if profile else None,
         recipe=asdict(recipe), describe=recipe.describe(), data=ctx.data, dtype=str(ctx.dtype).replace("torch.", ""),
         steps=len(timed), warmup=len(warm), profile_steps=len(profile), tokens_per_batch=opts.tokens_per_batch,
-        max_seq_len=opts.max_seq_len, lora={"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
-                                            "targets": list(lora.target_modules)},
+        max_seq_len=opts.max_seq_len, method=recipe.method,
+        lora=lora and {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.target_modules)},
         real_tokens=real, slots=slots, tflops=_sig(flops / seconds / 1e12), peak_tflops=_sig(ctx.peak_flops / 1e12),
         warmup_s=round(warmup_s, 2), new_graphs_timed=new_graphs,
         frames_not_compiled=frames_not_compiled() - frames_failed_before,

@@ -60,6 +60,10 @@ def register_train(sub) -> None:
     p.add_argument("config", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the predicted peak memory, tokens per step, steps "
+                   "and time, then stop (no weights are loaded)")
+    p.add_argument("--gpu-gib", type=float, help="with --dry-run: the GPU's memory, to say whether it fits")
+    p.add_argument("--tokens-per-s", type=float, help="with --dry-run: a measured rate for the time estimate")
     p.set_defaults(func=run_train)
 
 
@@ -73,6 +77,11 @@ def run_train(args) -> int:
     started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     cfg = load_config(args.config, overrides)
+    if args.dry_run:
+        from gapless.meter.memory import dry_run_report
+
+        print(dry_run_report(cfg, gpu_gib=args.gpu_gib, tokens_per_s=args.tokens_per_s))
+        return 0
     report = startup_report(cfg)  # the doctor's quick checks (~40 ms): the warnings and errors, before any work
     if report:
         print(report, file=sys.stderr, flush=True)

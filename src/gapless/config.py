@@ -363,8 +363,9 @@ class DataConfig:
     batching: Literal["packed", "padded", "length_grouped", "pad_to_max"] = "packed"
     pack_algorithm: Literal["best_fit", "first_fit"] = "best_fit"
     # packed: tokens_per_batch // max_seq_len rows of max_seq_len slots each;
-    # padded strategies: as many documents as fit in tokens_per_batch slots after padding
-    tokens_per_batch: int = 16384
+    # padded strategies: as many documents as fit in tokens_per_batch slots after padding;
+    # auto (gapless train on a GPU): the batch finder's choice, ~90% of free memory less 10% (train/batch_finder.py)
+    tokens_per_batch: int | Literal["auto"] = 16384
     pad_to_multiple_of: int = 8
     cache_dir: str = "~/.cache/gapless/data"
     num_workers: int | None = None  # tokenizer processes; None = the CPU count, 0 = in this process
@@ -375,7 +376,7 @@ class DataConfig:
             raise ValueError(f"{where}.sources: at least one source is required, e.g. [{{path: train.jsonl}}]")
         if self.max_seq_len < 2:
             raise ValueError(f"{where}.max_seq_len: must be at least 2, got {self.max_seq_len}")
-        if self.tokens_per_batch < self.max_seq_len:
+        if self.tokens_per_batch != "auto" and self.tokens_per_batch < self.max_seq_len:
             raise ValueError(f"{where}.tokens_per_batch: {self.tokens_per_batch} is less than "
                              f"max_seq_len {self.max_seq_len}; raise it or lower max_seq_len")
         if self.pad_to_multiple_of < 1:
@@ -454,7 +455,9 @@ class TrainConfig:
 class RunConfig:
     model: ModelConfig
     data: DataConfig
-    method: Literal["lora"] = "lora"  # qlora and full arrive through the same loop
+    # lora: LoRA on the base in model.dtype; qlora: the same LoRA (lora.*) on a base stored as NF4 with double
+    # quantisation; full: every weight trains (float32 master weights under bf16/fp16: gapless.train.optim)
+    method: Literal["lora", "qlora", "full"] = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

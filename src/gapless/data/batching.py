@@ -227,6 +227,9 @@ class BatchSampler:
 
     @classmethod
     def from_config(cls, cfg: DataConfig, mix: Mixture, *, shuffle: bool = True) -> BatchSampler:
+        if cfg.tokens_per_batch == "auto":
+            raise ValueError("data.tokens_per_batch: auto is chosen by `gapless train` on a GPU (the batch finder); "
+                             "give a number of tokens here")
         return cls(mix, strategy=cfg.batching, max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch,
                    pad_to_multiple_of=cfg.pad_to_multiple_of, pack_algorithm=cfg.pack_algorithm, seed=cfg.seed,
                    shuffle=shuffle)

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from gapless.config import LoraConfig, RunConfig
-from gapless.model.loading import LoadHook
+from gapless.model.export import save_pretrained
+from gapless.model.loading import DTYPES, LoadHook
 from gapless.model.lora import LoraLinear, apply_lora, save_adapter
+from gapless.model.qlora import qlora_load_hook, to_qlora
 
 
 class Method:
@@ -94,8 +96,49 @@ class Lora(Method):
         return f"lora r={self.cfg.r} alpha={self.cfg.alpha:g} on {','.join(self.cfg.target_modules)}"
 
 
+class Qlora(Lora):
+    """QLoRA (Dettmers et al. 2023): LoRA as above on a base whose targeted projections are stored as NF4 with
+    double quantisation (gapless.model.qlora), quantised from the checkpoint's tensors as they stream in; the
+    adapter is saved exactly as LoRA's (PEFT format). `compute_dtype`: the activations' dtype (model.dtype), the
+    dtype each projection is dequantised to for its GEMM."""
+    name = "qlora"
+
+    def __init__(self, cfg: LoraConfig, compute_dtype: torch.dtype):
+        super().__init__(cfg)
+        self.compute_dtype = compute_dtype
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        model = to_qlora(super().transform(model), self.compute_dtype)
+        # the base weights of the NF4 layers are consumed (quantised) by the hook as they are loaded
+        self.load_hook = qlora_load_hook(model)
+        return model
+
+    def describe(self) -> str:
+        return "q" + super().describe() + " (NF4 base)"
+
+
+class Full(Method):
+    """Full fine-tuning: every weight trains. The model's weights stay in model.dtype; the optimizer gets float32
+    master weights for bf16/fp16 ones (gapless.train.optim.MasterWeights: its docstring says each tensor's
+    precision). A checkpoint holds the trainable weights (and the loop adds the float32 masters); the final save is
+    an HF folder (gapless.model.export.save_pretrained) that transformers loads."""
+    name = "full"
+    final_name = "model"
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        return model.requires_grad_(True)
+
+    @property
+    def flops(self) -> dict:
+        return {"method": "full"}
+
+    def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
+        return save_pretrained(model, out, source_dir=base_model)
+
+
 def method_of(cfg: RunConfig) -> Method:
     """The Method that `cfg.method` names, with its settings."""
-    methods = {"lora": lambda: Lora(cfg.lora)}
+    methods = {"lora": lambda: Lora(cfg.lora), "qlora": lambda: Qlora(cfg.lora, DTYPES[cfg.model.dtype]),
+               "full": lambda: Full()}
     assert cfg.method in methods, f"config.method {cfg.method!r} should have been refused by the config"
     return methods[cfg.method]()

@@ -11,7 +11,8 @@ from gapless.config import RunConfig, from_dict
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import load_model, resolve_dtype
 from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, save_adapter
-from gapless.model.method import method_of
+from gapless.model.method import Qlora, method_of
+from gapless.model.qlora import to_qlora
 from gapless.train.checkpoint import latest_complete, load
 
 
@@ -59,12 +60,25 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
     model = load_model(base_path, dtype=torch.float32 if merge else None)
     if adapter_dir is not None:
         model, lora_cfg = load_adapter(model, adapter_dir)
+        if cfg is not None and cfg.method == "qlora":
+            # trained on the NF4 base: merged into its dequantised weights, in the dtype loaded (float32 to merge)
+            to_qlora(model, model.model.embed_tokens.weight.dtype)
     else:
         tensors, _ = load(checkpoint)
         method = method_of(cfg)
+        if isinstance(method, Qlora):  # dequantise to the dtype loaded (float32 to merge), not the run's
+            method.compute_dtype = model.model.embed_tokens.weight.dtype
         model = method.transform(model)
         method.load_checkpoint_state(model, tensors["model"], str(checkpoint))
         lora_cfg = cfg.lora
+        if cfg.method == "full":  # every weight trained: the checkpoint's model is the export, an HF folder
+            with torch.no_grad():
+                for name, master in tensors.get("master", {}).items():  # float32 masters, when bf16/fp16 trained
+                    model.get_parameter(name).copy_(master)
+            save_pretrained(model.to(merged_dtype or resolve_dtype("auto", model.config_dict)), out,
+                            source_dir=base_path)
+            copy_tokenizer_files(tokenizer_dir, out)
+            return out
 
     if not merge:
         save_adapter(model, out, lora_cfg, base_model_name_or_path=str(base_path.resolve()))

@@ -31,9 +31,11 @@ from gapless.meter.report import write_report
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
+from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
 from gapless.train.compile import frames_not_compiled, not_compiled_message
-from gapless.train.optim import build_optimizer, build_scheduler
+from gapless.train.loss_scale import DynamicLossScaler
+from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 from gapless.train.step import loss_sum, train_step
@@ -156,6 +158,8 @@ class Run:
     steps_total: int
     checkpoints: CheckpointManager
     peak_flops: float
+    masters: MasterWeights  # float32 copies of bf16/fp16 trainable weights (full fine-tuning); `params` are these
+    scaler: DynamicLossScaler | None  # fp16's loss scaler; None in bf16/fp32
 
 
 def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None) -> Run:
@@ -169,6 +173,18 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
 
+    # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
+    method = method_of(cfg)
+    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
+                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
+    dtype = next(model.parameters()).dtype
+    peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
+    # the optimizer updates float32 tensors: the trainable ones as they are, or float32 masters of bf16/fp16 ones
+    masters = MasterWeights(method.trainable(model).items())
+    params = masters.masters
+    if cfg.data.tokens_per_batch == "auto":
+        cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
+
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
@@ -177,19 +193,40 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
 
-    # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
-    method = method_of(cfg)
-    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
-                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
-    dtype = next(model.parameters()).dtype
-    peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
-    params = list(method.trainable(model).values())
     optimizer = build_optimizer(params, cfg.optim, device.type)
+    masters.attach(optimizer)
+    scaler = DynamicLossScaler(device) if dtype == torch.float16 else None
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                     async_write=cfg.checkpoint.async_write)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
-               sampler, eval_batches, steps_total, checkpoints, peak_flops)
+               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler)
+
+
+def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
+                          run_dir: Path, progress: Progress) -> RunConfig:
+    """cfg with data.tokens_per_batch "auto" replaced by the batch finder's choice (gapless.train.batch_finder),
+    recorded in the run folder (batch_finder.json: every trial and the reason; config.yaml: the number). A resumed
+    run reuses the recorded choice: the sampler's position is only valid for the same batches."""
+    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
+    from gapless.train.batch_finder import choose_tokens_per_batch
+
+    record = run_dir / "batch_finder.json"
+    if cfg.resume and record.is_file():
+        tokens = int(json.loads(record.read_text())["tokens"])
+        progress.message(f"data.tokens_per_batch auto: {tokens:,}, as chosen before ({record})")
+    else:
+        estimate = {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
+                    "activation_checkpointing": cfg.model.activation_checkpointing,
+                    "compiled": bool(cfg.model.compile), "loss_chunk": model.loss_chunk_size or DEFAULT_CHUNK_SIZE}
+        choice = choose_tokens_per_batch(model, params, device, method.name, max_seq_len=cfg.data.max_seq_len,
+                                         estimate=estimate)
+        record.write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
+        tokens = choice.tokens
+        progress.message(f"data.tokens_per_batch auto: {choice.reason}")
+    cfg = replace(cfg, data=replace(cfg.data, tokens_per_batch=tokens))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))  # the number that runs
+    return cfg
 
 
 def resume(run: Run) -> int:
@@ -201,6 +238,10 @@ def resume(run: Run) -> int:
         return 0
     tensors, meta = load(latest)
     run.method.load_checkpoint_state(run.model, tensors["model"], str(latest))
+    if run.masters.active:
+        run.masters.load_state_dict(tensors.get("master", {}), str(latest))
+    if run.scaler is not None and "loss_scale" in meta:
+        run.scaler.load_state_dict(meta["loss_scale"])
     run.optimizer.load_state_dict(tensors["optimizer"])
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
@@ -220,6 +261,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     window = ThroughputWindow(run.peak_flops)
     frames_failed_before = frames_not_compiled()
     steps_this_run = 0
+    # rows per micro-batch: the batches' rows until a CUDA OOM halves it (the same step then runs again in smaller
+    # pieces with the same tokens, and the rest of the run keeps the smaller pieces: gapless.train.batch_finder)
+    rows = 1 << 30  # no cap until an OOM
     t_steady = steady_mark = None
     if run.eval_batches and cfg.model.compile:
         # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
@@ -232,7 +276,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 micro = [batches.next() for _ in range(k)]  # already on the device
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
-                loss, grad_norm = train_step(run.model, micro, run.params, run.optimizer, cfg.optim.grad_clip)
+                start = min(rows, max(b.input_ids.shape[0] for b in micro))
+                (loss, grad_norm), ran = run_with_oom_backoff(
+                    lambda r: train_step(run.model, [p for b in micro for p in split_rows(b, r)], run.params,
+                                         run.optimizer, cfg.optim.grad_clip, scaler=run.scaler, zero_first=True),
+                    start, device, shrink=0.5, granularity=1, minimum=1,
+                    on_oom=lambda old, new: write_metrics(metrics, {"kind": "oom_backoff", "step": step + 1,
+                                                                     "rows_per_micro_batch": [old, new]}))
+                rows = min(rows, ran)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
             window_loss += loss
@@ -265,6 +316,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(),
                           **window.record(timeline.summary()["compute"]),
                           "elapsed_s": time.perf_counter() - timeline.t0}
+                if run.scaler is not None:  # SYNC: read with the loss, once per log_every steps
+                    record |= {"loss_scale": run.scaler.scale.item(), "skipped_steps": int(run.scaler.skipped.item())}
                 write_metrics(metrics, record)
                 result.losses[step] = loss_mean
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
@@ -275,10 +328,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == run.steps_total):
                 with timeline.phase("checkpoint"):
-                    run.checkpoints.save(step, {"model": run.method.checkpoint_state(run.model),
-                                                "optimizer": run.optimizer.state_dict()},
-                                         {"step": step, "scheduler": run.scheduler.state_dict(),
-                                          "sampler": batches.state, "rng": capture_rng_state()})
+                    tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
+                    meta = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": batches.state,
+                            "rng": capture_rng_state()}
+                    if run.masters.active:
+                        tensors["master"] = run.masters.state_dict()
+                    if run.scaler is not None:
+                        meta["loss_scale"] = run.scaler.state_dict()  # SYNC: at checkpoint time only
+                    run.checkpoints.save(step, tensors, meta)
 
             if run.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
                     and step < run.steps_total:

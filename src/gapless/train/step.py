@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gapless.data.batching import Batch
+from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import clip_grad_norm
 
 
@@ -24,22 +25,35 @@ def loss_sum(model, batch: Batch) -> torch.Tensor:
 
 
 def train_step(model, micro: Sequence[Batch], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-               grad_clip: float, mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               grad_clip: float, mark: Callable[[], None] | None = None,
+               scaler: DynamicLossScaler | None = None, zero_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch, clipping, the update. Returns (the step's loss sum, the grad norm
     before clipping), both on the device: nothing here reads them. `mark` (a benchmark's profiling pass) is called
-    after the forwards, the backwards and the update of a single micro-batch."""
+    after the forwards, the backwards and the update of a single micro-batch. `scaler` (fp16): the loss is scaled
+    before backward, the gradients unscaled before clipping, and a step with inf/nan gradients skipped, all on the
+    device (gapless.train.loss_scale). `zero_first`: drop gradients left by an attempt that ran out of memory
+    (gapless.train.batch_finder.run_with_oom_backoff) before the first backward."""
+    if zero_first:
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     n_step = max(sum(b.num_target_tokens for b in micro), 1)  # host ints counted by the data pipeline
     total = None
     for b in micro:
         loss = loss_sum(model, b)
         if mark is not None:
             mark()
-        (loss / n_step).backward()
+        scaled = loss / n_step
+        (scaled if scaler is None else scaler.scale_loss(scaled)).backward()
         if mark is not None:
             mark()
         total = loss.detach() if total is None else total + loss.detach()
+    if scaler is not None:
+        scaler.unscale_(params)
     grad_norm = clip_grad_norm(params, grad_clip)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped when found_inf; the scale backs off or grows
     optimizer.zero_grad(set_to_none=True)
     if mark is not None:
         mark()

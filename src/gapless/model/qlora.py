@@ -1,0 +1,157 @@
+"""QLoRA: LoRA on a frozen base whose linear weights are stored as NF4 with double quantisation.
+
+`apply_qlora(model, cfg, compute_dtype)` applies LoRA exactly as `apply_lora` does (same targets, same freezing,
+same A/B initialisation draws), then swaps each LoraLinear for a QLoraLinear that keeps the LoRA modules, the bias
+and the config but holds its base weight as NF4 buffers (gapless.kernels.nf4): ~0.52 B per weight instead of 2.
+QLoraLinear is a LoraLinear, so save_adapter, lora_state_dict and merge_lora work unchanged and the adapter keys
+are PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); its `weight` attribute is the
+dequantised base weight, computed on each read (merge and export read it once per layer).
+
+Forward: y = x W^T + b + scaling * B A dropout(x), W = dequantise(NF4) into a transient [out, in] tensor in x's
+dtype (the caching allocator hands the same block to the next layer's dequantisation: in effect a reused buffer).
+Backward: dx = dy W with W dequantised again rather than saved (_NF4Linear): the autograd graph keeps the 4-bit
+storage only, so a QLoRA model's memory stays 4-bit however many layers are in flight; the price is one more
+dequantisation per layer per step (~64 us for a Llama-3.2-3B layer on the H200 by bandwidth: nf4.py).
+The LoRA update runs the plain formula (autograd differentiates it), per layer or, for "grouped", with one A matmul
+for the layers that read the same x (q/k/v; gate/up), as LoraLinear.group_forward does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gapless.config import LoraConfig
+from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE, NF4Weight, dequantize_nf4, quantize_nf4
+from gapless.model.lora import LoraLinear, _lora_layers, _set_submodule, apply_lora
+
+
+class _NF4Linear(torch.autograd.Function):
+    """x W^T + b with W dequantised from NF4 in forward and again in backward: nothing [out, in] is saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor,
+                offset: Tensor, shape: tuple[int, int]) -> Tensor:
+        w = dequantize_nf4(packed, absmax_q, absmax_scale, offset, shape, x.dtype)  # [out, in], transient
+        ctx.save_for_backward(packed, absmax_q, absmax_scale, offset)  # the 4-bit storage itself, no copies
+        ctx.shape = shape  # the weight's (static) shape, never the activations'
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        w = dequantize_nf4(*ctx.saved_tensors, ctx.shape, dy.dtype)  # [out, in], recomputed
+        # the base weight and bias are frozen: no gradient for them
+        return dy @ w, None, None, None, None, None, None
+
+
+class QLoraLinear(LoraLinear):
+    """A LoraLinear whose frozen base weight is NF4 buffers; built from a LoraLinear (its LoRA modules kept)."""
+
+    def __init__(self, lora: LoraLinear, compute_dtype: torch.dtype):
+        # not LoraLinear.__init__: it would register the bf16 base weight this layer exists to drop; the LoRA
+        # modules, dropout, scaling and kernel are taken over from `lora` as they are
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lora.in_features, lora.out_features
+        self.register_parameter("bias", lora.bias)
+        self.lora_A, self.lora_B, self.lora_dropout = lora.lora_A, lora.lora_B, lora.lora_dropout
+        self.scaling, self.kernel = lora.scaling, lora.kernel
+        self.compute_dtype = compute_dtype
+        n = self.in_features * self.out_features
+        if n % BLOCKSIZE:
+            raise ValueError(f"QLoRA: a [{self.out_features}, {self.in_features}] weight has {n} elements, not a "
+                             f"multiple of the NF4 block size {BLOCKSIZE}")
+        device = lora.weight.device  # meta when the model was built on the meta device: the load hook fills these
+        blocks = n // BLOCKSIZE
+        self.register_buffer("weight_packed", torch.empty(n // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_absmax_q", torch.empty(blocks, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_absmax_scale", torch.empty(-(-blocks // SCALE_BLOCKSIZE), device=device))
+        self.register_buffer("weight_offset", torch.empty((), device=device))
+        if not lora.weight.is_meta:
+            self.quantize_(lora.weight)
+
+    @torch.no_grad()
+    def quantize_(self, weight: Tensor) -> None:
+        """Quantise `weight` [out, in] (any float dtype, on the device the layer's storage should live on)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"QLoRA: weight of shape {list(weight.shape)} for a layer of "
+                             f"[{self.out_features}, {self.in_features}]")
+        q = quantize_nf4(weight)
+        self.weight_packed, self.weight_absmax_q = q.packed, q.absmax_q
+        self.weight_absmax_scale, self.weight_offset = q.absmax_scale, q.offset
+
+    def nf4(self) -> NF4Weight:
+        return NF4Weight(self.weight_packed, self.weight_absmax_q, self.weight_absmax_scale, self.weight_offset,
+                         (self.out_features, self.in_features), self.compute_dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantised base weight [out, in] in compute_dtype, a new tensor on every read (merge, export)."""
+        return self.nf4().dequantize()
+
+    def base_forward(self, x: Tensor) -> Tensor:
+        return _NF4Linear.apply(x, self.bias, self.weight_packed, self.weight_absmax_q, self.weight_absmax_scale,
+                                self.weight_offset, (self.out_features, self.in_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype)),
+                          self.lora_B.weight.to(x.dtype))
+        return self.base_forward(x) + update * self.scaling
+
+    @staticmethod
+    def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
+        """LoraLinear.group_forward for QLoRA layers: one matmul for the A matrices of the "grouped" layers that read
+        x, under one dropout mask for the group as there (gapless.kernels.lora.lora_linear_grouped), each base through
+        its own dequantised weight (LoraLinear's would save each dequantised weight for backward); other layers run
+        alone."""
+        joins = [isinstance(layer, QLoraLinear) and layer.kernel == "grouped" for layer in layers]
+        grouped = [layer for layer, join in zip(layers, joins) if join]
+        if len(grouped) < 2:
+            return [layer(x) for layer in layers]
+        a = torch.cat([g.lora_A.weight.to(x.dtype) for g in grouped])  # [sum r, in]
+        xd = grouped[0].lora_dropout(x)
+        xas = iter(F.linear(xd, a).split([g.lora_A.out_features for g in grouped], dim=-1))  # each [..., r]
+        return [layer.base_forward(x) + F.linear(next(xas), layer.lora_B.weight.to(x.dtype)) * layer.scaling
+                if join else layer(x) for layer, join in zip(layers, joins)]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", base=nf4"
+
+
+def apply_qlora(model: nn.Module, cfg: LoraConfig, compute_dtype: torch.dtype, *,
+                adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """LoRA on cfg.target_modules (apply_lora), each targeted base weight then stored as NF4 (to_qlora)."""
+    return to_qlora(apply_lora(model, cfg, adapter_dtype=adapter_dtype), compute_dtype)
+
+
+def to_qlora(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """Every LoraLinear of `model` swapped for a QLoraLinear. On a model built on the meta device the NF4 buffers stay
+    meta until `qlora_load_hook` quantises the checkpoint's weights into them; on a loaded model each weight is
+    quantised now, layer by layer (its bf16 copy freed as the layer is swapped)."""
+    for name, layer in _lora_layers(model).items():
+        _set_submodule(model, name, QLoraLinear(layer, compute_dtype))
+    return model
+
+
+def qlora_load_hook(model: nn.Module) -> Callable[[str, Tensor], bool]:
+    """hook(key, tensor) for streaming a checkpoint into a QLoRA model (gapless.model.loading.load_weights, which
+    hands each tensor over already on the target device): a QLoRA layer's base weight is quantised where it is into
+    the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False).
+
+    Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, one checkpoint tensor at a time (memory-mapped
+    safetensors; the largest, the embedding, 128256 x 4096 x 2 B = 1.05 GB); GPU, the model as it fills (5.3 GiB at
+    the end: gapless.meter.memory) plus the one projection being quantised, 14336 x 4096 = 58.7M weights x
+    (2 B bf16 + ~16 B of quantize_nf4's float32 temporaries) = ~1.1 GB. Never a bf16 copy of the model."""
+    layers = {name + ".weight": layer for name, layer in model.named_modules() if isinstance(layer, QLoraLinear)}
+
+    def hook(key: str, tensor: Tensor) -> bool:
+        layer = layers.get(key)
+        if layer is None:
+            return False
+        layer.quantize_(tensor)
+        return True
+
+    return hook

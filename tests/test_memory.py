@@ -1,0 +1,140 @@
+"""The memory model (gapless.meter.memory) on shapes counted by hand, against the built model, and against the
+H200 peaks it was fitted to (bench/results.jsonl)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from gapless.config import LoraConfig
+from gapless.meter.memory import GIB, estimate_memory, format_table, max_tokens, parameter_count
+from gapless.model.decoder import CausalLM, ModelArgs
+from gapless.model.loading import read_model_args
+from gapless.model.lora import apply_lora
+
+MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
+TINY = ModelArgs(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_parameter_counts_by_hand_and_against_the_model():
+    # per layer: q 64x64 + k, v 64x32 + o 64x64 + gate, up, down 64x128 = 36,864; + 2 norms of 64 = 36,992;
+    # x 2 layers + embeddings and lm_head 100 x 64 each + the final norm 64 = 86,848
+    assert parameter_count(TINY) == (86_848, 2 * 36_864)
+    with torch.device("meta"):
+        model = CausalLM(TINY)
+    assert sum(p.numel() for p in model.parameters()) == 86_848
+    apply_lora(model, LoraConfig(r=4))
+    # LoRA r=4: 4 x (in + out) per projection: 512 + 384 + 384 + 512 + 3 x 768 = 4,096 per layer
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 8_192
+
+
+def _rows(est):
+    return {name: b for name, b, _ in est.rows}
+
+
+def test_lora_components_by_hand():
+    est = estimate_memory(TINY, "lora", tokens=1000, lora_r=4, loss_chunk=256)
+    rows = _rows(est)
+    assert rows["weights"] == 86_848 * 2
+    assert rows["trainable fp32 copies"] == 8_192 * 4
+    assert rows["gradients"] == 8_192 * 4
+    assert rows["optimizer state"] == 8_192 * 8
+    # 2 layers x (14.66 x 64 + 5.60 x 128) B per token
+    assert rows["activations"] == pytest.approx(1000 * 2 * (14.66 * 64 + 5.60 * 128))
+    assert rows["loss working set"] == 256 * 100 * 6 + 1000 * 64 * 2
+    assert rows["allocator reserve"] == pytest.approx(0.05 * (est.total_bytes - rows["allocator reserve"]))
+    assert est.fixed_bytes + 1000 * est.per_token_bytes == pytest.approx(est.total_bytes)
+
+
+def test_full_and_qlora_components_by_hand():
+    full = _rows(estimate_memory(TINY, "full", tokens=512, loss_chunk=256))
+    assert full["weights"] == 86_848 * 2
+    assert full["trainable fp32 copies"] == 86_848 * 4  # fp32 masters
+    assert full["gradients"] == 86_848 * 4 + 64 * 128 * 2  # + the largest bf16 gradient (an MLP weight)
+    assert full["optimizer state"] == 86_848 * 8
+    full32 = _rows(estimate_memory(TINY, "full", tokens=512, dtype="float32"))
+    assert full32["trainable fp32 copies"] == 0 and full32["gradients"] == 86_848 * 4  # trains in place
+
+    q = _rows(estimate_memory(TINY, "qlora", tokens=512, lora_r=4, lora_targets=["q_proj", "down_proj"]))
+    targeted = 2 * (64 * 64 + 128 * 64)
+    assert q["weights"] == pytest.approx(targeted * (0.5 + 1 / 64 + 4 / 16384) + (86_848 - targeted) * 2)
+    assert q["trainable fp32 copies"] == 2 * 4 * (128 + 192) * 4
+    assert q["dequantised weights"] == targeted / 2 * 2
+
+
+def test_activation_checkpointing_keeps_layer_inputs():
+    off = _rows(estimate_memory(TINY, "lora", tokens=100))["activations"]
+    on = _rows(estimate_memory(TINY, "lora", tokens=100, activation_checkpointing=1))["activations"]
+    layer = 14.66 * 64 + 5.60 * 128
+    assert off == pytest.approx(100 * 2 * layer)
+    assert on == pytest.approx(100 * (2 * 64 * 2 + layer))  # two inputs kept, one layer recomputed at a time
+    eager = _rows(estimate_memory(TINY, "lora", tokens=100, compiled=False))["activations"]
+    assert eager == pytest.approx(1.34 * off)
+
+
+@pytest.mark.parametrize("model, chunk, measured", [
+    ("llama-3.2-1b", 4096, 24.23), ("llama-3.2-3b", 4096, 48.24), ("llama-3.2-3b", 2048, 46.78),
+    ("llama-3.1-8b", 4096, 87.07),
+])
+def test_fitted_h200_rows(model, chunk, measured):
+    # bench/results.jsonl: compiled, varlen, LoRA r16 on all 7 projections, bf16, 16,384 tokens, no checkpointing
+    est = estimate_memory(read_model_args(MODELS / model), "lora", tokens=16_384, loss_chunk=chunk)
+    assert est.allocated_gib == pytest.approx(measured, rel=0.015)
+
+
+def test_qlora_8b_on_a_24_gib_card():
+    # the issue's target: Llama-3.1-8B QLoRA, 8,192 tokens per micro-batch, checkpointing every layer: <= 22 GiB
+    args = read_model_args(MODELS / "llama-3.1-8b")
+    est = estimate_memory(args, "qlora", tokens=8_192, activation_checkpointing=1)
+    rows = _rows(est)
+    # 6.98B projection weights x 0.516 B + 1.05B embedding/head/norm weights x 2 B = 5.70e9 B = 5.31 GiB
+    assert rows["weights"] / GIB == pytest.approx(5.31, abs=0.05)
+    assert est.total_gib < 22, format_table(est)
+    assert estimate_memory(args, "qlora", tokens=8_192).total_gib > 22  # without checkpointing it does not fit
+
+
+def test_max_tokens_inverts_the_estimate():
+    args = read_model_args(MODELS / "llama-3.2-3b")
+    n = max_tokens(args, "lora", 60.0)
+    assert estimate_memory(args, "lora", tokens=n).total_gib <= 60.0 < estimate_memory(args, "lora", tokens=n + 1).total_gib
+    assert max_tokens(args, "full", 40.0) == 0  # 3.2B x 18 B = 54 GiB before any token
+
+
+def test_table_and_errors():
+    text = format_table(estimate_memory(TINY, "qlora", tokens=64))
+    for name in ("weights", "optimizer state", "activations", "loss working set", "dequantised weights", "total"):
+        assert name in text
+    with pytest.raises(ValueError, match="method: 'dora'"):
+        estimate_memory(TINY, "dora", tokens=1)
+    with pytest.raises(ValueError, match=r"lora targets: \['lm_head'\]"):
+        estimate_memory(TINY, "lora", tokens=1, lora_targets=["lm_head"])
+
+
+def test_dry_run_prints_memory_steps_and_time(shared, tmp_path, capsys):
+    import json
+
+    from gapless import cli
+
+    data = tmp_path / "train.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 30},
+                                             {"role": "assistant", "content": f"answer {i} " * 60}]}) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {"path": str(MODELS / "llama-3.1-8b"), "dtype": "bfloat16", "activation_checkpointing": 1},
+        "data": {"sources": [{"path": str(data)}], "tokenizer": str(shared / "tokenizers" / "llama3"),
+                 "max_seq_len": 4096, "tokens_per_batch": 8192, "cache_dir": str(tmp_path / "cache"),
+                 "num_workers": 0},
+        "method": "qlora", "train": {"epochs": 2, "grad_accum": 2}, "output_dir": str(tmp_path / "run")}))
+    assert cli.main(["train", str(config), "--dry-run", "--gpu-gib", "24", "--tokens-per-s", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak memory, qlora, bfloat16 (8,192 tokens per micro-batch)" in out
+    assert "fits a 24 GiB GPU" in out and "tokens per step: 16,384 slots (2 x 8,192)" in out
+    assert "at 4,000 real tokens/s (given)" in out
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+    assert cli.main(["train", str(config), "data.tokens_per_batch=auto", "method=full",
+                     "model.activation_checkpointing=0", "--dry-run", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "data.tokens_per_batch auto: ~" in out and "on a 80 GiB GPU" in out and "stated: 780 TFLOP/s" in out
