@@ -235,3 +235,27 @@ def test_auto_backend_picks_varlen_only_where_it_runs(monkeypatch):
     assert auto_backend(cpu, torch.bfloat16, packed=True) == "sdpa"
     capability["value"] = (7, 5)  # a T4: no FlashAttention-2 kernels
     assert auto_backend(cuda, torch.bfloat16, packed=True) == "sdpa"
+
+
+def test_auto_backend_picks_fa4_op_where_flash_attn_4_imports(monkeypatch):
+    """With flash-attn-4 importable (faked here: no GPU, no wheel) auto runs fa4_op on Hopper and Blackwell at
+    head_dim <= 128 and says why; without it, varlen, saying what is missing; A100 keeps varlen."""
+    import gapless.kernels.attention as attention
+    from gapless.kernels.attention import choose_backend
+
+    cuda = torch.device("cuda")
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(attention, "_varlen_backend", lambda: None)
+    name, why = choose_backend(cuda, torch.bfloat16, packed=True, head_dim=128)
+    assert name == "varlen" and "flash-attn-4 is not installed" in why  # this machine has no flash-attn-4
+    monkeypatch.setattr(attention, "_fa4_op_backend", lambda: None)  # as if it imported
+    assert choose_backend(cuda, torch.bfloat16, packed=True, head_dim=128)[0] == "fa4_op"
+    assert choose_backend(cuda, torch.bfloat16, packed=True, head_dim=256)[0] == "varlen"  # Gemma's heads
+    assert choose_backend(cuda, torch.bfloat16, packed=True, softcap=True)[0] == "flex"
+    assert choose_backend(cuda, torch.bfloat16, packed=False)[0] == "sdpa"
+    capability["value"] = (10, 0)
+    assert choose_backend(cuda, torch.bfloat16, packed=True)[0] == "fa4_op"
+    capability["value"] = (8, 0)
+    assert choose_backend(cuda, torch.bfloat16, packed=True) == (
+        "varlen", "flash-attn-4 is not used for compute capability 8.0")

@@ -121,23 +121,45 @@ def backend_names() -> list[str]:
     return sorted(_backends())
 
 
-def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool, softcap: bool = False) -> str:
-    """What `attn_backend: auto` runs: "varlen" on a CUDA GPU of compute capability 8.0 or newer (FlashAttention-2's
-    kernels) in bf16/fp16 with packed rows, "sdpa" anywhere else (the CPU, float32, padded rows with a mask).
-    `softcap`: the model soft-caps its attention scores (Gemma 2: args.attn_softcap), which varlen cannot; there
-    "flex" runs instead. flash-attn-4 is never picked here: it is an extra that the user names (fa4_op), as its
-    installation says."""
-    if not packed or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return "sdpa"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "sdpa"
+def auto_backend(device: torch.device, dtype: torch.dtype, packed: bool, softcap: bool = False,
+                 head_dim: int | None = None) -> str:
+    """What `attn_backend: auto` runs (choose_backend says why)."""
+    return choose_backend(device, dtype, packed, softcap, head_dim)[0]
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, packed: bool, softcap: bool = False,
+                   head_dim: int | None = None) -> tuple[str, str]:
+    """(backend, why) for `attn_backend: auto`, the fastest measured that runs here:
+    - "fa4_op" (flash-attn-4 as torch custom ops) on a Hopper or Blackwell GPU (compute capability 9.x/10.x, the
+      architectures of its CuTe DSL kernels) where flash-attn-4 imports, with head_dim <= 128 (measured on Llama's
+      128: 449.7 against 479.9 ms per Llama-3.2-3B step for varlen, bench/RESULTS.md run s3-grouped2);
+    - "varlen" (torch's FlashAttention-2 kernels) on a CUDA GPU of compute capability 8.0 or newer;
+    - both in bf16/fp16 with packed rows; "sdpa" anywhere else (the CPU, float32, padded rows with a mask).
+    `softcap`: the model soft-caps its attention scores (Gemma 2: args.attn_softcap), which neither fa4 nor varlen
+    can; there "flex" runs instead."""
+    if device.type != "cuda":
+        return "sdpa", f"{device.type}: the plain-PyTorch reference"
+    if not packed or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa", "padded rows or float32: the fused kernels need packed rows in bf16/fp16"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        return "sdpa", f"compute capability {capability[0]}.{capability[1]} has no FlashAttention kernels"
     if softcap:
-        return "flex"
+        return "flex", "the model soft-caps attention scores, which only flex (and sdpa) compute"
+    if capability[0] in (9, 10) and (head_dim is None or head_dim <= 128):
+        try:
+            _fa4_op_backend()
+            return "fa4_op", "flash-attn-4 imports and runs on this GPU: the fastest measured"
+        except RuntimeError:
+            reason = "flash-attn-4 is not installed (pip install 'gapless[gpu]' where its wheels exist)"
+    else:
+        reason = f"flash-attn-4 is not used for compute capability {capability[0]}.{capability[1]}" + (
+            f" or head_dim {head_dim}" if head_dim and head_dim > 128 else "")
     try:
         _varlen_backend()  # its own check that this torch has varlen_attn
     except RuntimeError:
-        return "sdpa"
-    return "varlen"
+        return "sdpa", f"{reason}, and this torch has no varlen_attn"
+    return "varlen", reason
 
 
 def _backends() -> dict[str, Callable[[], AttentionFn]]:

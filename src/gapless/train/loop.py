@@ -53,21 +53,25 @@ def resolve_device(name: str, setting: str = "model.device") -> torch.device:
 
 def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str | None]:
     """cfg with model.attn_backend and model.compile "auto" replaced by what runs on `device`, and a line saying
-    what was chosen (None when nothing was "auto")."""
-    from gapless.kernels.attention import auto_backend
-    from gapless.model.loading import DTYPES
+    what was chosen and why (None when nothing was "auto")."""
+    from gapless.kernels.attention import choose_backend
+    from gapless.model.loading import DTYPES, read_model_args
 
     m = cfg.model
     if m.attn_backend != "auto" and m.compile != "auto":
         return cfg, None
-    attn = m.attn_backend if m.attn_backend != "auto" else auto_backend(device, DTYPES[m.dtype],
-                                                                        cfg.data.batching == "packed")
+    attn, why = m.attn_backend, ""
+    if attn == "auto":
+        args = read_model_args(m.path)
+        attn, why = choose_backend(device, DTYPES[m.dtype], cfg.data.batching == "packed",
+                                   softcap=args.attn_softcap is not None, head_dim=args.head_dim)
     compile_ = m.compile if m.compile != "auto" else device.type == "cuda"
     cfg = replace(cfg, model=replace(m, attn_backend=attn, compile=compile_))
     chosen = [f"{key} {value}" for key, value, given in (("attn_backend", attn, m.attn_backend),
                                                         ("compile", str(compile_).lower(), m.compile))
               if given == "auto"]
-    return cfg, f"model: {', '.join(chosen)} (auto on {device.type}, {m.dtype}, {cfg.data.batching} rows)"
+    return cfg, (f"model: {', '.join(chosen)} (auto on {device.type}, {m.dtype}, {cfg.data.batching} rows"
+                 + (f"; {why}" if why else "") + ")")
 
 
 @torch.no_grad()
