@@ -4,6 +4,9 @@
 #   bash bench/run_gpu.sh          the ladder on Llama-3.2-3B, best on Llama-3.2-1B and Llama-3.1-8B, HF+PEFT packed
 #                                  beside them, and the flex rung last if time is left (its first compile: ~200 s)
 #   bash bench/run_gpu.sh flex     packed_fused and packed_fused_flex on Llama-3.2-3B (a second call)
+#   bash bench/run_gpu.sh methods  QLoRA, full and LoRA-with-dropout on Llama-3.2-3B, HF+PEFT+bitsandbytes QLoRA beside
+#                                  (carry the bitsandbytes wheel in .whl/bnb/)
+#   bash bench/run_gpu.sh methods2 Llama-3.1-8B QLoRA at 8,192 tokens, Gemma-3-4B LoRA, HF+PEFT+Liger packed
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -21,6 +24,11 @@ PEERS=packed_sdpa
 if compgen -G ".whl/liger/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" && PEERS=packed_sdpa,packed_liger
+fi
+QPEERS=""  # the seed's HF+PEFT+bitsandbytes QLoRA (bench/peers/hf_peft_bench.py) where the wheel was carried
+if compgen -G ".whl/bnb/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/bnb/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" && QPEERS=qlora_packed_ckpt
 fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gapless-bench-out}
@@ -56,6 +64,16 @@ if [[ $MODE == tests ]]; then
   exit "${PIPESTATUS[0]}"
 elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
+elif [[ $MODE == methods ]]; then
+  # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
+  bench 120 --model $M3 --config qlora_best,full_best,best_dropout,best
+  if [[ -n $QPEERS ]]; then bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs $QPEERS; fi
+elif [[ $MODE == methods2 ]]; then
+  # Llama-3.1-8B QLoRA at max_seq_len 4096 with 8,192 tokens per micro-batch (the 24 GiB card question),
+  # Gemma-3-4B LoRA beside Llama-3.2-3B's, and HF+PEFT+Liger packed
+  bench 300 --model bench/models/llama-3.1-8b --config qlora_best,qlora_ckpt --tokens-per-batch 8192
+  bench 120 --model bench/models/gemma-3-4b --config best
+  bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs $PEERS
 else
   # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s (and Liger ~60 s)
   bench 310 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
