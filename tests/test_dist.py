@@ -113,8 +113,11 @@ def runs(base):
     stopped = {w: raw_config(base, f"stopped{w}", **{"parallel.strategy": s}) for w, s in ((1, "ddp"), (2, "fsdp"))}
     single = raw_config(base, "single")
     ref = train(load_config(data=single["raw"], overrides=single["overrides"]))
+    full = {w: raw_config(base, f"full{w}", method="full", **{"optim.lr": 1e-3}) for w in (0, 2)}  # 0: no torchrun
+    full_ref = train(load_config(data=full[0]["raw"], overrides=full[0]["overrides"]))
     run_ranks(1, [("run", stopped[1], 2)])
-    run_ranks(2, [("run", spec["ddp", 2], None), ("run", spec["fsdp", 2], None), ("run", stopped[2], 2)])
+    run_ranks(2, [("run", spec["ddp", 2], None), ("run", spec["fsdp", 2], None), ("run", stopped[2], 2),
+                  ("run", full[2], None)])
     resume = {(2, 3): resumed(base, stopped[2], "2to3"), (1, 3): resumed(base, stopped[1], "1to3", "ddp"),
               (2, 1): resumed(base, stopped[2], "2to1"), (2, 0): resumed(base, stopped[2], "2to0")}
     run_ranks(3, [("run", spec["ddp", 3], None), ("run", spec["fsdp", 3], None),
@@ -123,7 +126,7 @@ def runs(base):
     plain = resume[2, 0]  # no torchrun: DCP reads the shards back into one unsharded model
     Path(plain["raw"]["output_dir"], "losses-run.json").write_text(json.dumps(
         train(load_config(data=plain["raw"], overrides=plain["overrides"])).losses))
-    return {"single": ref, "spec": spec, "stopped": stopped, "resume": resume}
+    return {"single": ref, "spec": spec, "stopped": stopped, "resume": resume, "full": full, "full_ref": full_ref}
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -147,6 +150,17 @@ def test_ranks_equal_one_process(runs, strategy, world):
     assert all(0 <= r["rank_imbalance"] < 1 and r["rank_real_tokens_min"] > 0 for r in step_records)
     assert all(r["collective_wait_s_max"] >= 0 and r["rank_compute_s_max"] >= r["rank_compute_s_min"]
                for r in step_records)
+
+
+def test_full_fine_tuning_shards_by_default(runs):
+    """method: full under torchrun: `auto` picks FSDP2 (parameters, gradients and AdamW state sharded), and 2 ranks
+    log the losses of one process."""
+    got, ref = losses(runs["full"][2], "run"), runs["full_ref"].losses
+    records = [json.loads(line) for line in open(Path(runs["full"][2]["raw"]["output_dir"]) / "metrics.jsonl")]
+    assert {r["strategy"] for r in records if "loss" in r} == {"fsdp"}
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got, ref)
 
 
 @pytest.mark.parametrize("saved,resumed_at", [(2, 3), (2, 1), (1, 3), (2, 0)])
