@@ -64,6 +64,9 @@ def register_train(sub) -> None:
                    "and time, then stop (no weights are loaded)")
     p.add_argument("--gpu-gib", type=float, help="with --dry-run: the GPU's memory, to say whether it fits")
     p.add_argument("--tokens-per-s", type=float, help="with --dry-run: a measured rate for the time estimate")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="N processes on this machine (one per GPU) through torchrun: the same as "
+                        "`torchrun --standalone --nproc-per-node N -m gapless.cli train CONFIG ...`")
     p.set_defaults(func=run_train)
 
 
@@ -73,19 +76,34 @@ def run_train(args) -> int:
     from gapless.diagnosis.environment import write_environment
     from gapless.meter.timeline import process_start
     from gapless.train.loop import train
+    from gapless.train.parallel import launched_by_torchrun
 
     started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # a bad config fails here, once, not in every rank
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
 
         print(dry_run_report(cfg, gpu_gib=args.gpu_gib, tokens_per_s=args.tokens_per_s))
         return 0
-    report = startup_report(cfg)  # the doctor's quick checks (~40 ms): the warnings and errors, before any work
-    if report:
-        print(report, file=sys.stderr, flush=True)
-    write_environment(cfg.output_dir)  # environment.json: `gapless doctor --compare RUN_A RUN_B` reads it
+    if args.nproc is not None and not launched_by_torchrun():
+        if args.nproc < 1:
+            raise ValueError(f"--nproc: {args.nproc}; give the number of processes (GPUs) to run, e.g. 8")
+        from torch.distributed.run import main as torchrun
+
+        # torchrun's agent: it starts the ranks, ends them all when one fails, and exits non-zero with its error
+        torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "gapless.cli", "train", args.config,
+                  *overrides])
+        return 0
+    if os.environ.get("RANK", "0") == "0":  # several ranks: rank 0 alone checks, prints and writes
+        report = startup_report(cfg)  # the doctor's quick checks (~40 ms): the warnings and errors, before any work
+        if report:
+            print(report, file=sys.stderr, flush=True)
+        write_environment(cfg.output_dir)  # environment.json: `gapless doctor --compare RUN_A RUN_B` reads it
+    if launched_by_torchrun():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        train = record(train)  # the failing rank's traceback goes to torchrun's error file and summary
     train(cfg, started=started)
     return 0
 

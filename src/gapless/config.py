@@ -452,6 +452,27 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Several processes (torchrun): how the model is spread over them (gapless.train.parallel). Used only when
+    the run is launched by torchrun (or `gapless train --nproc N`); a single process ignores it."""
+    # auto: FSDP2 for a method that trains the full model, DDP for LoRA. ddp: every rank holds the model, only the
+    # trainable gradients are all-reduced. fsdp: parameters, gradients and optimizer state sharded per decoder layer
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    # seconds a collective may wait before the process group fails the run (a dead or stuck rank)
+    timeout_s: int = 600
+    # DDP's gradient bucket (torch's default 25 MB)
+    bucket_mb: int = 25
+    # FSDP2: free the un-sharded parameters after each layer's forward (memory) or keep them for backward (speed)
+    reshard_after_forward: bool = True
+
+    def validate(self, where: str = "parallel") -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"{where}.timeout_s: must be positive, got {self.timeout_s}; typical: 600")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"{where}.bucket_mb: must be positive, got {self.bucket_mb}; torch's default is 25")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig
     data: DataConfig
@@ -463,6 +484,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: str = "runs/run"
     resume: bool = False  # continue from the newest complete checkpoint in output_dir
     progress: bool = True  # a progress bar on a terminal, log lines otherwise

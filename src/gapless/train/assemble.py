@@ -1,9 +1,10 @@
 """Model assembly, in the one order every method and every number of GPUs needs (gapless ARCHITECTURE.md):
 
     build on the meta device (no memory)  ->  the method's transform (LoRA / QLoRA / full)
-    ->  activation checkpointing  ->  compile (per decoder layer)  ->  (shard: DDP / FSDP2, with dist:)
+    ->  activation checkpointing  ->  compile (per decoder layer)  ->  shard (FSDP2; gapless.train.parallel)
     ->  load weights: stream the safetensors through the method's per-tensor hook (QLoRA quantises there)
-    ->  the method initialises what the checkpoint does not hold (LoRA's A and B)
+    ->  the method initialises what the checkpoint does not hold (LoRA's A and B)  ->  DDP (needs materialised
+        parameters: it broadcasts rank 0's)
 
 Transforms run before any weight exists, so none of them copies a weight: QLoRA never holds a bf16 model, and
 a sharded model never holds an unsharded one. `gapless bench` assembles its random-weight models through the
@@ -16,27 +17,30 @@ from collections.abc import Iterable
 import torch
 
 from gapless.model.decoder import CausalLM
-from gapless.model.loading import load_weights
+from gapless.model.loading import load_weights, resolve_dtype
 from gapless.model.method import Method
 from gapless.train.ckpt_activations import checkpoint_activations
 from gapless.train.compile import compile_layers
+from gapless.train.parallel import Dist, parallelize
 
 
 def assemble(model: CausalLM, method: Method, device: torch.device, dtype: torch.dtype | str, *,
              activation_checkpointing: int = 0, compile: bool = False,
-             tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
-    """The model built on meta (gapless.model.loading.build), transformed, then loaded; in training mode."""
+             tensors: Iterable[tuple[str, torch.Tensor]] | None = None, parallel: Dist | None = None) -> CausalLM:
+    """The model built on meta (gapless.model.loading.build), transformed, then loaded; in training mode.
+    `parallel`: this rank's place in a torchrun run (gapless.train.parallel.init_distributed); None: one process."""
     assert all(p.is_meta for p in model.parameters()), "assemble takes the model as built, on the meta device"
     model = method.transform(model)
     if activation_checkpointing:
         model = checkpoint_activations(model, every=activation_checkpointing)
     if compile:
         model = compile_layers(model)
-    model = load_weights(model, dtype, device, hook=method.load_hook, tensors=tensors)
-    model = method.initialise(model, device)
+    placement = parallelize(model, method, parallel, device, resolve_dtype(dtype, model.config_dict))  # FSDP2 here
+    model = load_weights(model, dtype, device, hook=placement.load_hook, tensors=tensors)
+    model = placement.initialise(model)
     unloaded = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not unloaded, f"tensors neither loaded nor initialised: {unloaded[:5]}"
-    return model.train()
+    return placement.finish(model).train()  # DDP here
 
 
 def random_tensors(model: CausalLM, device: torch.device, dtype: torch.dtype, seed: int = 0):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -33,9 +34,11 @@ from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
 from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
+from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
 from gapless.train.compile import frames_not_compiled, not_compiled_message
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
+from gapless.train.parallel import Dist, aggregate, full_parameters, init_distributed, loss_divisor
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 from gapless.train.step import loss_sum, train_step
@@ -164,9 +167,11 @@ class Run:
     peak_flops: float
     masters: MasterWeights  # float32 copies of bf16/fp16 trainable weights (full fine-tuning); `params` are these
     scaler: DynamicLossScaler | None  # fp16's loss scaler; None in bf16/fp32
+    parallel: Dist = field(default_factory=Dist)  # this rank's place in a torchrun run (gapless.train.parallel)
 
 
-def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None) -> Run:
+def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None,
+          parallel: Dist = Dist()) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
     from gapless.data.tokenize import build_data
     from gapless.model.loading import build
@@ -174,26 +179,40 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if parallel.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
 
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
     method = method_of(cfg)
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
-                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
+                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
+                     parallel=parallel)
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
     # the optimizer updates float32 tensors: the trainable ones as they are, or float32 masters of bf16/fp16 ones
     masters = MasterWeights(method.trainable(model).items())
     params = masters.masters
+    if parallel.active and masters.active:  # the optimizer's tensors are then not the model's: DCP cannot name them
+        raise ValueError(f"model.dtype: {cfg.model.dtype} trainable weights keep float32 masters, which several "
+                         "processes do not support yet; use model.dtype: float32 under torchrun")
+    if cfg.data.tokens_per_batch == "auto" and parallel.active:  # each rank would measure, and might choose, its own
+        raise ValueError("data.tokens_per_batch: auto is not supported under torchrun yet; give the global batch "
+                         "in tokens (a multiple of max_seq_len times the number of processes)")
     if cfg.data.tokens_per_batch == "auto":
         cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-    mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
+    for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
+        if tokenizing == parallel.is_main:
+            mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
+        parallel.barrier()
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
+    if parallel.active:  # each rank's rows of the global batches (gapless.data.sharding)
+        from gapless.data.sharding import ShardedSampler
+        sampler = ShardedSampler.of(sampler, parallel.rank, parallel.world_size)
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
 
@@ -201,10 +220,9 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     masters.attach(optimizer)
     scaler = DynamicLossScaler(device) if dtype == torch.float16 else None
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
-    checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                    async_write=cfg.checkpoint.async_write)
+    checkpoints = checkpoint_manager(run_dir / "checkpoints", cfg.checkpoint, parallel, model, optimizer)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
-               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler)
+               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, parallel)
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
@@ -240,13 +258,16 @@ def resume(run: Run) -> int:
     if latest is None:
         run.progress.message(f"resume: no complete checkpoint in {root}; starting from step 0")
         return 0
-    tensors, meta = load(latest)
-    run.method.load_checkpoint_state(run.model, tensors["model"], str(latest))
-    if run.masters.active:
-        run.masters.load_state_dict(tensors.get("master", {}), str(latest))
+    if is_dcp(latest):  # written by a torchrun run: resharded to this one (gapless.train.dist_checkpoint)
+        meta = load_sharded(latest, run.method, run.model, run.optimizer)
+    else:
+        tensors, meta = load(latest)
+        run.method.load_checkpoint_state(run.model, tensors["model"], str(latest))
+        if run.masters.active:
+            run.masters.load_state_dict(tensors.get("master", {}), str(latest))
+        run.optimizer.load_state_dict(tensors["optimizer"])
     if run.scaler is not None and "loss_scale" in meta:
         run.scaler.load_state_dict(meta["loss_scale"])
-    run.optimizer.load_state_dict(tensors["optimizer"])
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
     restore_rng_state(meta["rng"])  # last: nothing above may draw random numbers after it
@@ -258,7 +279,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     """Optimizer steps from `step` to the end of the run (or `stop_after` steps); returns the last step done."""
     cfg, timeline, device = run.cfg, run.timeline, run.device
     batches = Prefetcher(run.sampler, device, timeline=timeline)
-    monitor = GpuMonitor(run.run_dir / "gpu.jsonl", device, t0=timeline.t0)
+    monitor = GpuMonitor(run.run_dir / run.parallel.per_rank("gpu.jsonl"), device, t0=timeline.t0)  # each rank its GPU
     run.progress.message(monitor.status)
     k = cfg.train.grad_accum
     window_loss = torch.zeros((), dtype=torch.float32, device=device)  # read every log_every steps
@@ -281,9 +302,11 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
             with timeline.phase("startup" if warmup else "compute"):
                 start = min(rows, max(b.input_ids.shape[0] for b in micro))
+                n_step = loss_divisor(micro, run.parallel)  # several ranks: the global step's tokens / ranks
                 (loss, grad_norm), ran = run_with_oom_backoff(
                     lambda r: train_step(run.model, [p for b in micro for p in split_rows(b, r)], run.params,
-                                         run.optimizer, cfg.optim.grad_clip, scaler=run.scaler, zero_first=True),
+                                         run.optimizer, cfg.optim.grad_clip, scaler=run.scaler, zero_first=True,
+                                         n_step=n_step),
                     start, device, shrink=0.5, granularity=1, minimum=1,
                     on_oom=lambda old, new: write_metrics(metrics, {"kind": "oom_backoff", "step": step + 1,
                                                                      "rows_per_micro_batch": [old, new]}))
@@ -322,8 +345,12 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                           "elapsed_s": time.perf_counter() - timeline.t0}
                 if run.scaler is not None:  # SYNC: read with the loss, once per log_every steps
                     record |= {"loss_scale": run.scaler.scale.item(), "skipped_steps": int(run.scaler.skipped.item())}
+                # several ranks: the loss over all of them, each rank's tokens and times (gapless.train.parallel)
+                record.update(aggregate(run.parallel, device, window_loss, window.trained, window.real,
+                                        timeline.summary()["compute"] - window.compute_mark,
+                                        time.perf_counter() - window.t_window))
                 write_metrics(metrics, record)
-                result.losses[step] = loss_mean
+                result.losses[step] = loss_mean = record["loss"]
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
                 window_loss.zero_()
                 write_metrics(metrics, timeline.record(step))
@@ -379,15 +406,17 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
         from gapless.model.export import copy_tokenizer_files
 
         final = run.run_dir / run.method.final_name
-        with timeline.phase("checkpoint"):
-            run.method.save_final(run.model, final, Path(run.cfg.model.path))
-            copy_tokenizer_files(run.tokenizer_dir, final)
+        with timeline.phase("checkpoint"), full_parameters(run.model, run.parallel) as whole:  # FSDP2: gathered
+            if run.parallel.is_main:
+                run.method.save_final(whole, final, Path(run.cfg.model.path))
+                copy_tokenizer_files(run.tokenizer_dir, final)
         result.final_dir = final
         progress.message(f"{run.method.final_name} written to {final}")
     # the report is part of the run: it is written inside the timeline, from metrics.jsonl plus the final
     # record that is written after it (so that record, the last line, covers every second of the call)
     with timeline.phase("logging"):
-        report = write_report(run.run_dir, pending=[_run_record(timeline.record(step, final=True), result)])
+        report = write_report(run.run_dir, pending=[_run_record(timeline.record(step, final=True), result)]) \
+            if run.parallel.is_main else None
     final_record = _run_record(timeline.record(step, final=True), result)
     write_metrics(metrics, final_record)
     result.wall_s, result.seconds = final_record["wall_s"], final_record["seconds"]
@@ -408,23 +437,25 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     (`gapless train`: the process start, gapless.meter.timeline.process_start); default now.
     """
     device = resolve_device(cfg.model.device)
+    parallel, device = init_distributed(cfg.parallel, device, cfg.method)  # torchrun's ranks (gapless.train.parallel)
     cfg, auto_note = resolve_auto(cfg, device)  # config.yaml records what runs
     # every second from `started` on goes to one category (gapless.meter.timeline)
     timeline = Timeline(device, t0=started)
     timeline.begin("startup")
-    progress = Progress(0, stream=out, enabled=cfg.progress)
+    progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main)  # rank 0 alone speaks
     if auto_note:
         progress.message(auto_note)
-    run = setup(cfg, device, timeline, progress, data)
+    run = setup(cfg, device, timeline, progress, data, parallel)
     step = resume(run) if cfg.resume else 0
     result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
     progress.total = run.steps_total
-    metrics = open_metrics(run.run_dir / "metrics.jsonl", step)
+    metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
     try:
         step = run_loop(run, step, result, metrics, stop_after)
         finish(run, step, result, metrics)
     finally:
         metrics.close()
+        parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
     return result
 
 

@@ -16,6 +16,7 @@ import torch
 from gapless.data.batching import Batch
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import clip_grad_norm
+from gapless.train.parallel import sync_gradients
 
 
 def loss_sum(model, batch: Batch) -> torch.Tensor:
@@ -26,19 +27,23 @@ def loss_sum(model, batch: Batch) -> torch.Tensor:
 
 def train_step(model, micro: Sequence[Batch], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                grad_clip: float, mark: Callable[[], None] | None = None,
-               scaler: DynamicLossScaler | None = None, zero_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               scaler: DynamicLossScaler | None = None, zero_first: bool = False,
+               n_step: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch, clipping, the update. Returns (the step's loss sum, the grad norm
     before clipping), both on the device: nothing here reads them. `mark` (a benchmark's profiling pass) is called
     after the forwards, the backwards and the update of a single micro-batch. `scaler` (fp16): the loss is scaled
     before backward, the gradients unscaled before clipping, and a step with inf/nan gradients skipped, all on the
     device (gapless.train.loss_scale). `zero_first`: drop gradients left by an attempt that ran out of memory
-    (gapless.train.batch_finder.run_with_oom_backoff) before the first backward."""
+    (gapless.train.batch_finder.run_with_oom_backoff) before the first backward. `n_step`: what the loss sums are
+    divided by when not this step's own trained tokens (several ranks: gapless.train.parallel.loss_divisor)."""
     if zero_first:
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-    n_step = max(sum(b.num_target_tokens for b in micro), 1)  # host ints counted by the data pipeline
+    if n_step is None:
+        n_step = max(sum(b.num_target_tokens for b in micro), 1)  # host ints counted by the data pipeline
     total = None
-    for b in micro:
+    for i, b in enumerate(micro):
+        sync_gradients(model, i == len(micro) - 1)  # several ranks (DDP): reduce once per step
         loss = loss_sum(model, b)
         if mark is not None:
             mark()
