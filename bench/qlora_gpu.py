@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gapless.kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from gapless.kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_codes, quantize_nf4
 from gapless.model.loading import read_model_args
 from gapless.model.lora import LoraLinear
 from gapless.model.qlora import QLoraLinear
@@ -59,7 +59,7 @@ def variants(out_f: int, in_f: int, tokens: int) -> dict:
     w = (torch.randn(out_f, in_f, device=dev) * 0.02).to(dt)
     x = torch.randn(tokens, in_f, device=dev, dtype=dt)
     q = quantize_nf4(w)
-    args = (q.packed, q.absmax_q, q.absmax_scale, q.offset, q.shape, dt)
+    args = (q.packed, q.absmax_q, q.absmax_scale, q.offset, q.shape, dt, nf4_codes(dev))  # code tables made once
     fns = {
         "gemm_bf16": lambda: F.linear(x, w),
         "dequant_compiled": lambda: dequantize_nf4(*args),

@@ -312,3 +312,28 @@ def bnb_dequantize(weight):
     import bitsandbytes.functional as bnbf
 
     return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+
+
+@pytest.mark.parametrize("kernel, dropout", [("reference", 0.0), ("grouped", 0.05)])
+def test_decoder_layers_trace_as_one_graph(tmp_path, kernel, dropout):
+    # dynamo over each decoder layer as compile_layers compiles it (dynamic shapes), forward and backward, with no
+    # graph break (fullgraph) and exactly the eager result: in a compiled layer the dequantisation is in the graph
+    from gapless.demo import write_base_model
+
+    folder = write_base_model(tmp_path / "base", seed=0)
+    model = apply_qlora(gapless.load_model(folder), LoraConfig(r=4, alpha=8, dropout=dropout, kernel=kernel),
+                        torch.float32).train()
+    ids = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(0))
+    grad = lambda: model.model.layers[0].mlp.up_proj.lora_A.weight.grad  # noqa: E731
+    torch.manual_seed(1)
+    eager = model(ids).square().mean()
+    eager.backward()
+    eager_grad = grad().clone()
+    model.zero_grad()
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend="eager", fullgraph=True, dynamic=True)
+    torch.manual_seed(1)
+    traced = model(ids).square().mean()
+    traced.backward()
+    assert torch.equal(traced, eager) and torch.equal(grad(), eager_grad)

@@ -83,8 +83,15 @@ class NF4Weight:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.absmax_q, self.absmax_scale, self.offset))
 
 
-def _codes(device: torch.device) -> tuple[Tensor, Tensor]:
-    return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device), dynamic_map().to(device)
+# the dynamic map's float32 values as Python floats (exact), computed once: building it with torch ops at each call
+# would graph-break a compiled layer (Tensor.tolist) and cost ~14 small ops per dequantisation in eager
+DYNAMIC_VALUES = tuple(dynamic_map().tolist())
+
+
+def nf4_codes(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The NF4 values [16] and the dynamic map [256] as float32 tensors on `device` (constants in a traced graph)."""
+    return (torch.tensor(NF4_VALUES, dtype=torch.float32, device=device),
+            torch.tensor(DYNAMIC_VALUES, dtype=torch.float32, device=device))
 
 
 # bitsandbytes' CUDA kernel (dQuantizeNF4) compares against these float32 constants: the midpoints of NF4_VALUES
@@ -95,7 +102,7 @@ NF4_THRESHOLDS = (
 )
 
 
-def _nf4_codes(scaled: Tensor) -> Tensor:
+def _nearest_nf4(scaled: Tensor) -> Tensor:
     """The NF4 code of each value in [-1, 1]: the number of thresholds it is strictly above (a value exactly on
     a threshold goes to the lower code, as the CUDA kernel's `x > t` decides)."""
     thresholds = torch.tensor(NF4_THRESHOLDS, dtype=torch.float32, device=scaled.device)
@@ -149,18 +156,22 @@ def quantize_nf4(w: Tensor) -> NF4Weight:
     if not w.is_floating_point():
         raise ValueError(f"quantize_nf4: expected a float weight, got {w.dtype}")
     scaled, absmax = _blockwise(w.reshape(-1).float(), BLOCKSIZE)  # [n], [n / 64]
-    q = _nf4_codes(scaled)
+    q = _nearest_nf4(scaled)
     packed = (q[0::2] << 4) | q[1::2]  # [n / 2]: even element high nibble, odd element low (bitsandbytes' order)
     offset = absmax.mean()
     scaled_absmax, absmax_scale = _blockwise(absmax - offset, SCALE_BLOCKSIZE)  # [n / 64], [n / 64 / 256]
-    absmax_q = _dynamic_codes(scaled_absmax, dynamic_map().to(w.device))
+    absmax_q = _dynamic_codes(scaled_absmax, nf4_codes(w.device)[1])
     return NF4Weight(packed, absmax_q, absmax_scale, offset, tuple(w.shape), w.dtype)
 
 
 def dequantize_nf4_reference(packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, offset: Tensor,
-                             shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """The plain-PyTorch dequantisation (the module docstring's formula), float32 math, cast to `dtype` last."""
-    code, dyn = _codes(packed.device)
+                             shape: tuple[int, ...], dtype: torch.dtype, codes: tuple[Tensor, Tensor] | None = None
+                             ) -> Tensor:
+    """The plain-PyTorch dequantisation (the module docstring's formula), float32 math, cast to `dtype` last.
+    codes: (NF4 values [16], dynamic map [256]) on packed's device (`nf4_codes`); a traced caller passes them in,
+    as creating a tensor from constants inside an autograd.Function that dynamo captures fails under dynamic
+    shapes."""
+    code, dyn = codes if codes is not None else nf4_codes(packed.device)
     nib = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1).long()  # [n]: high nibble first
     nblocks = absmax_q.numel()
     # second level: 8-bit codes * their 256-block's fp32 scale + offset, as bitsandbytes (float32, this order)
@@ -171,13 +182,14 @@ def dequantize_nf4_reference(packed: Tensor, absmax_q: Tensor, absmax_scale: Ten
 
 
 def dequantize_nf4(packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, offset: Tensor,
-                   shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+                   shape: tuple[int, ...], dtype: torch.dtype, codes: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The dequantised weight [*shape] in `dtype`: on CUDA through torch.compile (one generated kernel, the fast
     path), elsewhere the reference. Inside a region torch.compile is already tracing, the reference is traced
     into that graph (no nested compile). Both compute the same float32 values: equal bit for bit."""
+    codes = codes if codes is not None else nf4_codes(packed.device)
     if packed.device.type != "cuda" or torch.compiler.is_compiling():
-        return dequantize_nf4_reference(packed, absmax_q, absmax_scale, offset, shape, dtype)
-    return _compiled_dequantize()(packed, absmax_q, absmax_scale, offset, shape, dtype)
+        return dequantize_nf4_reference(packed, absmax_q, absmax_scale, offset, shape, dtype, codes)
+    return _compiled_dequantize()(packed, absmax_q, absmax_scale, offset, shape, dtype, codes)
 
 
 @functools.cache
@@ -191,7 +203,7 @@ def to_bnb_quant_state(q: NF4Weight):
     needs bitsandbytes installed."""
     from bitsandbytes.functional import QuantState
 
-    code, dyn = _codes(q.packed.device)
+    code, dyn = nf4_codes(q.packed.device)
     state2 = QuantState(absmax=q.absmax_scale, code=dyn, blocksize=SCALE_BLOCKSIZE, dtype=torch.float32)
     return QuantState(absmax=q.absmax_q, shape=torch.Size(q.shape), code=code, blocksize=BLOCKSIZE,
                       quant_type="nf4", dtype=q.dtype, offset=q.offset, state2=state2)

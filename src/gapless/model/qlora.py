@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gapless.config import LoraConfig
-from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE, NF4Weight, dequantize_nf4, quantize_nf4
+from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE, NF4Weight, dequantize_nf4, nf4_codes, quantize_nf4
 from gapless.model.lora import LoraLinear, _lora_layers, _set_submodule, apply_lora
 
 
@@ -33,19 +33,27 @@ class _NF4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor,
-                offset: Tensor, shape: tuple[int, int]) -> Tensor:
-        w = dequantize_nf4(packed, absmax_q, absmax_scale, offset, shape, x.dtype)  # [out, in], transient
-        ctx.save_for_backward(packed, absmax_q, absmax_scale, offset)  # the 4-bit storage itself, no copies
-        ctx.shape = shape  # the weight's (static) shape, never the activations'
+                offset: Tensor, code: Tensor, scale_code: Tensor) -> Tensor:
+        in_f = x.shape[-1]
+        shape = (packed.numel() * 2 // in_f, in_f)  # [out, in]: two 4-bit codes per byte
+        w = dequantize_nf4(packed, absmax_q, absmax_scale, offset, shape, x.dtype, (code, scale_code))  # transient
+        # the 4-bit storage and the code tables themselves, no copies
+        ctx.save_for_backward(packed, absmax_q, absmax_scale, offset, code, scale_code)
+        # no shapes passed in or kept on ctx: under compile_layers' dynamic=True the layer's int attributes can be
+        # symbolic, and dynamo's autograd.Function capture fails on such symbols (pytorch#111031); the weight's shape
+        # is read from x (forward) and dy (backward) with the storage's size
         return F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        w = dequantize_nf4(*ctx.saved_tensors, ctx.shape, dy.dtype)  # [out, in], recomputed
+            return (None,) * 8
+        packed, absmax_q, absmax_scale, offset, code, scale_code = ctx.saved_tensors
+        out_f = dy.shape[-1]
+        shape = (out_f, packed.numel() * 2 // out_f)  # [out, in]: two 4-bit codes per byte
+        w = dequantize_nf4(packed, absmax_q, absmax_scale, offset, shape, dy.dtype, (code, scale_code))  # recomputed
         # the base weight and bias are frozen: no gradient for them
-        return dy @ w, None, None, None, None, None, None
+        return dy @ w, None, None, None, None, None, None, None
 
 
 class QLoraLinear(LoraLinear):
@@ -70,6 +78,9 @@ class QLoraLinear(LoraLinear):
         self.register_buffer("weight_absmax_q", torch.empty(blocks, dtype=torch.uint8, device=device))
         self.register_buffer("weight_absmax_scale", torch.empty(-(-blocks // SCALE_BLOCKSIZE), device=device))
         self.register_buffer("weight_offset", torch.empty((), device=device))
+        # the NF4 values and the 8-bit scale map (kernels/nf4.py), inputs of the traced dequantisation; not saved
+        self.register_buffer("nf4_code", torch.empty(16, device=device), persistent=False)
+        self.register_buffer("nf4_scale_code", torch.empty(256, device=device), persistent=False)
         if not lora.weight.is_meta:
             self.quantize_(lora.weight)
 
@@ -80,6 +91,7 @@ class QLoraLinear(LoraLinear):
             raise ValueError(f"QLoRA: weight of shape {list(weight.shape)} for a layer of "
                              f"[{self.out_features}, {self.in_features}]")
         q = quantize_nf4(weight)
+        self.nf4_code, self.nf4_scale_code = nf4_codes(weight.device)
         self.weight_packed, self.weight_absmax_q = q.packed, q.absmax_q
         self.weight_absmax_scale, self.weight_offset = q.absmax_scale, q.offset
 
@@ -94,7 +106,7 @@ class QLoraLinear(LoraLinear):
 
     def base_forward(self, x: Tensor) -> Tensor:
         return _NF4Linear.apply(x, self.bias, self.weight_packed, self.weight_absmax_q, self.weight_absmax_scale,
-                                self.weight_offset, (self.out_features, self.in_features))
+                                self.weight_offset, self.nf4_code, self.nf4_scale_code)
 
     def forward(self, x: Tensor) -> Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype)),
