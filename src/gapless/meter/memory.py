@@ -63,16 +63,16 @@ def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
 
 
 def parameter_count(args: ModelArgs) -> tuple[int, int]:
-    """(all parameters, those in the decoder layers' seven projections' weights); a tied lm_head counted once."""
-    shapes = projection_shapes(args)
-    linear = sum(i * o for i, o in shapes.values())
-    bias = ((shapes["q_proj"][1] + 2 * shapes["k_proj"][1]) * args.attention_bias
-            + args.hidden_size * args.o_proj_bias
-            + (2 * args.intermediate_size + args.hidden_size) * args.mlp_bias)
-    norms = 2 * args.hidden_size + 2 * args.head_dim * args.qk_norm
-    per_layer = linear + bias + norms
-    embeddings = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
-    return args.num_hidden_layers * per_layer + embeddings + args.hidden_size, args.num_hidden_layers * linear
+    """(all parameters, those in the decoder layers' seven projections' weights); a tied lm_head counted once.
+    Counted on the model built on the meta device (no memory), so every family's norms and biases are included."""
+    import torch
+
+    from gapless.model.decoder import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(args)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    return total, args.num_hidden_layers * sum(i * o for i, o in projection_shapes(args).values())
 
 
 @dataclass
