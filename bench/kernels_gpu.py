@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/kernels_gpu.py [--lengths FILE] [--T 16384] [--only attention|loss]
 
-(a) Every attention backend (varlen, flex, fa4 when flash-attn-4 imports, and a cuDNN nested-tensor probe
+(a) Every attention backend (varlen, flex, fa4_op when flash-attn-4 imports, and a cuDNN nested-tensor probe
     that is not a registered backend) against sdpa_reference run in float32 on the same inputs upcast,
     forward and backward, bf16, Llama-3.2-3B shapes (24 query heads, 8 KV heads, head dim 128), one packed
     row of T tokens cut from real document lengths (--lengths: whitespace-separated token counts, capped at
@@ -221,7 +221,7 @@ def run_attention(args, pool: list[int]) -> None:
     except Exception as e:  # noqa: BLE001
         print(f"varlen_attn not importable: {short_error(e)}")
 
-    backends: list[tuple[str, object]] = [("sdpa", None), ("varlen", None), ("flex", None), ("fa4", None),
+    backends: list[tuple[str, object]] = [("sdpa", None), ("varlen", None), ("flex", None), ("fa4_op", None),
                                           ("cudnn-nested (probe, not registered)", cudnn_nested_probe(min(docs)))]
     for i, (name, fn) in enumerate(backends):
         row: dict = {"section": "attention", "backend": name, "T": args.T, "docs": len(docs)}
@@ -252,7 +252,7 @@ def run_attention(args, pool: list[int]) -> None:
 
     if args.skip_window:
         return
-    for i, name in enumerate(("varlen", "flex", "fa4")):
+    for i, name in enumerate(("varlen", "flex", "fa4_op")):
         row = {"section": "attention-window", "backend": name, "T": args.T, "window": WINDOW}
         try:
             fn = get_attention(name)
@@ -460,7 +460,7 @@ def main() -> None:
            "gpu": torch.cuda.get_device_name(), "lengths": pool_note}
     record(**env)
     if fa is None:
-        print("note: flash-attn-4 is not installed here, so 'fa4' is skipped (see shared/peers/README.md)")
+        print("note: flash-attn-4 is not installed here, so 'fa4_op' is skipped (see shared/peers/README.md)")
     t0 = time.perf_counter()
     if args.only in (None, "attention"):
         run_attention(args, pool)

@@ -121,7 +121,7 @@ MISTAKES = [
     (["data.sources.0.path=' '"], ["config.data.sources[0].path", "empty"]),
     (["model.path="], ["config.model.path", "empty"]),
     (["model.device=tpu"], ["config.model.device", "'tpu'"]),
-    (["model.attn_backend=fa5"], ["config.model.attn_backend", "'fa5'", "did you mean 'fa4'"]),
+    (["model.attn_backend=fa4op"], ["config.model.attn_backend", "'fa4op'", "did you mean 'fa4_op'"]),
     (["model.compile=fast"], ["config.model.compile", "'fast'", "true | false | 'auto'"]),
     # malformed overrides
     (["train.steps"], ["override 'train.steps'", "expected key=value"]),

@@ -133,9 +133,6 @@ CONFIGS = {
     # the loss chunk before it was halved (kernels/loss.py): 1.4 GiB more at the step's peak, the same speed
     "best_loss_chunk4096": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped",
                                   loss_chunk=4096),
-    # flash-attn-4 (CuTe DSL) where it is installed: a second call with its wheels (shared/peers/README.md)
-    "packed_fused_fa4": Recipe("packed", "fa4", "fused"),
-    "packed_fused_compile_fa4": Recipe("packed", "fa4", "fused_compiled", compile=True),
     # best with flash-attn-4 behind torch custom ops, so the compiled layer keeps one graph (kernels/attention.py,
     # fa4_op): the fastest measured (36,436 tok/s for Llama-3.2-3B on the H200, run s3-grouped2)
     "best_fa4": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="grouped"),
@@ -153,7 +150,7 @@ LADDER = ("pad_to_max_ckpt", "dyn_pad", "packed", "packed_fused", "packed_fused_
 # Seconds a configuration's first steps may take beyond its timed steps, for --time-limit-s: flex's first call
 # compiled for 201 s on the H200 (bench/kernels_h200.jsonl); a compiled decoder layer, forward and backward,
 # is budgeted at 90 s.
-FIRST_CALL_S = {"flex": 220.0, "fa4": 30.0, "fa4_op": 30.0, "compile": 90.0}
+FIRST_CALL_S = {"flex": 220.0, "fa4_op": 30.0, "compile": 90.0}
 PEER_MAX_SEQ = 4096  # hf_peft_bench.py caps every document at 4096 tokens
 PEER_FIRST_CALL_S = 30.0  # imports and building the model
 

@@ -224,7 +224,7 @@ def check_kernels(env: dict, cfg: RunConfig | None = None) -> list[Finding]:
     for name, status in sorted(env["kernels"].items()):
         ok = status == "ok"
         if name == "flash-attn-4":
-            if not ok and backend in ("fa4", "fa4_op"):
+            if not ok and backend == "fa4_op":
                 out += _f("env.kernel.flash-attn-4", "error", f"model.attn_backend is {backend} but flash-attn-4 "
                           f"does not import ({status})", "the run stops at the first layer",
                           "install flash-attn-4 (shared/peers/README.md) or model.attn_backend: auto")

@@ -11,26 +11,26 @@ Every backend computes the same function:
 - `attention_mask` ([B, T], 1 = real token, 0 = padding) is for padded batches (cu_seqlens None).
 - `sliding_window` (Mistral, Gemma): a query at position i sees keys j with i - window < j <= i.
 - `softcap` (Gemma 2): the scaled scores s become softcap * tanh(s / softcap) before the softmax. Backends that
-  cannot (varlen: torch's varlen_attn has no such argument; fa4, fa4_op: not wired) refuse it naming "flex",
+  cannot (varlen: torch's varlen_attn has no such argument; fa4_op: not wired) refuse it naming "flex",
   which applies it as a score_mod inside its kernel; `auto` picks flex for a model that soft-caps.
 
 "sdpa" is the plain-PyTorch reference that runs anywhere; the GPU backends are tested against it. The config's
-default, `attn_backend: auto`, resolves once per run to a name (auto_backend): varlen where it runs, sdpa elsewhere.
+default, `attn_backend: auto`, resolves once per run to a name (choose_backend): fa4_op where flash-attn-4 imports on
+Hopper or Blackwell, varlen where it runs, flex for soft-capping models, sdpa elsewhere.
 
 The GPU backends (CUDA, bf16/fp16 only; each refuses anything else with an error naming the fallback):
 - "varlen": torch.nn.attention.varlen.varlen_attn, torch's own FlashAttention-2 varlen kernels, GQA native.
   Measured on the H200 at T=16384 (peers/README.md): 4.5 ms fwd+bwd per layer, 248 TFLOP/s.
 - "flex": FlexAttention (torch.compile'd Triton kernels) with a document-causal block mask built from
   cu_seqlens; the mask is built once per batch (cached on the cu_seqlens tensor) and shared by all layers.
-- "fa4": flash-attn-4 (flash_attn.cute, CuTe DSL SM90 kernels) varlen; 2.5 ms per layer, 455 TFLOP/s on
-  the same shapes (peers/README.md), 12.5 s of JIT compile on the first call. Dynamo cannot trace its Python,
-  so inside a compiled layer the call is a graph break: 481 ms per Llama-3.2-3B step against 502 with
-  "varlen" (bench/RESULTS.md), where the attention kernels alone would save ~36 ms.
-- "fa4_op": the same kernels behind torch custom ops (`varlen_attention_op`): dynamo sees one opaque node
-  with a shape-only fake implementation, so each compiled layer stays one graph. Tested on the CPU with a
-  reference forward/backward through the same op plumbing (fullgraph compile) and on the H200 against the
-  float32 reference. Measured in one run (bench/RESULTS.md, s3-fa4op): 473.1 ms per step against 476.5 for
-  "fa4": the graph break itself cost 3.4 ms. With grouped LoRA it is the fastest measured: 449.7 ms.
+- "fa4_op": flash-attn-4 (flash_attn.cute, CuTe DSL SM90 kernels; 2.5 ms per layer, 455 TFLOP/s on the same
+  shapes, peers/README.md) behind torch custom ops (`varlen_attention_op`): dynamo sees one opaque node with a
+  shape-only fake implementation, so each compiled layer stays one graph. Tested on the CPU with a reference
+  forward/backward through the same op plumbing (fullgraph compile) and on the H200 against the float32
+  reference. With grouped LoRA it is the fastest measured: 449.7 ms per Llama-3.2-3B step against 479.9 for
+  varlen (bench/RESULTS.md, s3-grouped2). A plain "fa4" backend, the same kernels called through flash-attn-4's
+  Python (a graph break in each compiled layer: 476.5 against 473.1 ms for fa4_op, run s3-fa4op), was removed as
+  superseded (issue shape).
 Packed rows are flattened [B, T, H, D] -> [B*T, H, D]; cu_seqlens already indexes that flat axis.
 
 Not registered: "cudnn". SDPA's cuDNN backend takes dense [B, H, T, D] rows, so packed documents would need
@@ -163,8 +163,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, packed: bool, softc
 
 
 def _backends() -> dict[str, Callable[[], AttentionFn]]:
-    return {"sdpa": lambda: sdpa_reference, "varlen": _varlen_backend, "flex": FlexAttention, "fa4": _fa4_backend,
-            "fa4_op": _fa4_op_backend}
+    return {"sdpa": lambda: sdpa_reference, "varlen": _varlen_backend, "flex": FlexAttention, "fa4_op": _fa4_op_backend}
 
 
 def _segments(q: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None, attention_mask: Tensor | None,
@@ -185,6 +184,22 @@ def _segments(q: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None, atte
     if isinstance(max_seqlen, Tensor):
         raise ValueError("max_seqlen must be a host int: a tensor here would sync the host every layer")
     return cu_seqlens, max_seqlen
+
+
+def _flat_packed(name: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None,
+                 attention_mask: Tensor | None, sliding_window: int | None, softcap: float | None,
+                 cuda_fallback: str | None) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """The checks every varlen-style backend makes, in one place, and its inputs flattened for a varlen kernel:
+    (q [B*T, Hq, D], k, v [B*T, Hkv, D], cu_seqlens, max_seqlen). `cuda_fallback`: the backend runs CUDA bf16/fp16
+    only, and anything else is refused naming that backend (None: it runs anywhere)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, name)
+    _refuse_softcap(name, softcap)  # before the device check: no device runs it here
+    if cuda_fallback is not None:
+        _check_cuda_half(name, cuda_fallback, q, k, v)
+    _check_window(sliding_window)
+    return q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), cu, max_len
 
 
 def _check_cuda_half(name: str, fallback: str, *tensors: Tensor) -> None:
@@ -221,12 +236,8 @@ def _varlen_backend() -> AttentionFn:
     def varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
                attention_mask: Tensor | None = None, sliding_window: int | None = None,
                scale: float | None = None, softcap: float | None = None) -> Tensor:
-        B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "varlen")
-        _refuse_softcap("varlen", softcap)  # before the device check: no device runs it here
-        _check_cuda_half("varlen", "sdpa", q, k, v)
-        _check_window(sliding_window)
+        q2, k2, v2, cu, max_len = _flat_packed("varlen", q, k, v, cu_seqlens, max_seqlen, attention_mask,
+                                               sliding_window, softcap, "sdpa")
         if sliding_window is None:
             # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
             mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
@@ -239,9 +250,8 @@ def _varlen_backend() -> AttentionFn:
             if "scale" not in params:
                 raise RuntimeError(f"torch {torch.__version__}'s varlen_attn takes no scale; choose 'flex' or 'sdpa'")
             mode["scale"] = scale
-        out = varlen_attn(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
-                          cu, cu, max_len, max_len, **mode, **gqa)
-        return out.view(B, T, Hq, D)
+        out = varlen_attn(q2, k2, v2, cu, cu, max_len, max_len, **mode, **gqa)
+        return out.view(q.shape)
 
     return varlen
 
@@ -250,34 +260,6 @@ def _fa4_missing(name: str, e: Exception) -> RuntimeError:
     return RuntimeError(f"attention backend {name!r} needs flash-attn-4 (flash_attn.cute with nvidia-cutlass-dsl), "
                         f"which is not importable here ({e}); install it (shared/peers/README.md says how) or "
                         "choose 'varlen'")
-
-
-def _fa4_backend() -> AttentionFn:
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except ImportError as e:
-        raise _fa4_missing("fa4", e) from e
-
-    # the CuTe DSL kernels JIT-compile through their own Python: dynamo must not trace into them, so inside a
-    # compiled decoder layer the attention call is a graph break (the layer compiles as two graphs)
-    @torch.compiler.disable
-    def fa4(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
-            attention_mask: Tensor | None = None, sliding_window: int | None = None,
-            scale: float | None = None, softcap: float | None = None) -> Tensor:
-        B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, "fa4")
-        _refuse_softcap("fa4", softcap)  # before the device check: no device runs it here
-        _check_cuda_half("fa4", "varlen", q, k, v)
-        _check_window(sliding_window)
-        window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
-        out = flash_attn_varlen_func(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D),
-                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
-                                     softmax_scale=scale, causal=True, **window)
-        out = out[0] if isinstance(out, tuple) else out  # some releases return (out, lse)
-        return out.view(B, T, Hq, D)
-
-    return fa4
 
 
 class FlexAttention:
@@ -472,15 +454,10 @@ def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> A
                   max_seqlen: int | None = None, attention_mask: Tensor | None = None,
                   sliding_window: int | None = None, scale: float | None = None,
                   softcap: float | None = None) -> Tensor:
-        B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        cu, max_len = _segments(q, cu_seqlens, max_seqlen, attention_mask, name)
-        _refuse_softcap(name, softcap)
-        if cuda_fallback is not None:
-            _check_cuda_half(name, cuda_fallback, q, k, v)
-        _check_window(sliding_window)
-        out, _ = op(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), cu, max_len,
-                    D ** -0.5 if scale is None else scale, -1 if sliding_window is None else sliding_window - 1)
-        return out.view(B, T, Hq, D)
+        q2, k2, v2, cu, max_len = _flat_packed(name, q, k, v, cu_seqlens, max_seqlen, attention_mask,
+                                               sliding_window, softcap, cuda_fallback)
+        out, _ = op(q2, k2, v2, cu, max_len, q.shape[-1] ** -0.5 if scale is None else scale,
+                    -1 if sliding_window is None else sliding_window - 1)
+        return out.view(q.shape)
 
     return attention
