@@ -42,7 +42,8 @@ def register_data(sub) -> None:
 
 
 def run_data(args) -> int:
-    from gapless.data.summary import data_config_from_inputs, inspect
+    from gapless.data.pipeline import inspect
+    from gapless.data.summary import data_config_from_inputs
 
     cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides, format=args.format)
     inspect(cfg, as_json=args.json, example=args.example)

@@ -164,7 +164,7 @@ class Run:
 
 def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
     from gapless.model.loading import build
     from gapless.train.assemble import assemble
 
