@@ -151,6 +151,11 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
                        else [d.name for d in evals]) if eval_sets else None
     sampler = BatchSampler.from_config(cfg, mix)
     summary = DataSummary.build(cfg, train, evals, mix, eval_mix, sampler)
+    if not len(mix):
+        why = "; ".join(f"{r.name}: {r.records:,} records" + (f", dropped {r.dropped}" if r.dropped else "")
+                        for r in summary.sources if not r.name.startswith("eval: "))
+        raise ValueError(f"data.sources: no document to train on ({why}); an empty file or folder gives no records, "
+                         "and `gapless data` shows what each source holds")
     for message in summary.warnings:
         warnings.warn(message, stacklevel=2)
     return mix, eval_mix, summary

@@ -34,6 +34,7 @@ from gapless.data.formats import Example, RecordError
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
+UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.json",
@@ -181,7 +182,18 @@ class Encoder:
                 except RecordError as e:
                     errors.append((r, e))
         out = Chunk(len(items), counts=counts)
-        for r, ex, ids, mask in sorted(self._tokenize_chats(chats) + self._tokenize_texts(texts), key=lambda d: d[0]):
+        try:
+            docs = self._tokenize_chats(chats) + self._tokenize_texts(texts)
+        except Exception:  # the Rust tokenizer refused some text, for the whole batch: find which record
+            docs = []
+            for one, tokenize_ in [([c], self._tokenize_chats) for c in chats] + [([t], self._tokenize_texts)
+                                                                                 for t in texts]:
+                try:
+                    docs += tokenize_(one)
+                except Exception as e:  # e.g. "WordLevel error: Missing [UNK] token from the vocabulary"
+                    r, ex = one[0][0], one[0][1]
+                    errors.append((r, RecordError(ex.where, None, UNENCODABLE, self._unencodable(ex, e))))
+        for r, ex, ids, mask in sorted(docs, key=lambda d: d[0]):
             if not mask[1:].any():  # position 0 is never predicted
                 errors.append((r, RecordError(ex.where, "messages", NOTHING_TO_TRAIN,
                                               "no token left to train on after masking")))
@@ -192,6 +204,21 @@ class Encoder:
                 out.add(piece_ids, piece_mask, r)
         out.errors = [e for _, e in sorted(errors, key=lambda x: x[0])]
         return out
+
+    def _unencodable(self, ex: Example, error: Exception) -> str:
+        """What the tokenizer cannot encode in `ex`: the first few characters it refuses on their own."""
+        text = ex.text if ex.text is not None else "".join(m.get("content") or "" for m in ex.messages)
+        bad = []
+        for c in sorted(set(text)):
+            try:
+                self.tok(c, add_special_tokens=False)
+            except Exception:
+                bad.append(c)
+                if len(bad) == 5:
+                    break
+        chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in bad) or "a character sequence"
+        return (f"the tokenizer cannot encode {chars} ({error}); remove or replace them, or use a tokenizer "
+                "with an unknown token or byte fallback")
 
     def _tokenize_chats(self, chats: list[tuple]) -> list[tuple]:
         """(record, example, text, spans) -> (record, example, ids, mask), in one batched tokenizer call
