@@ -52,8 +52,14 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        # trust_remote_code=False: a folder whose auto_map names its own Python code is refused, never run and never
+        # answered by transformers' interactive "run the custom code? [y/N]" prompt
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
+        if "custom code" in str(e):
+            raise ValueError(f"data.tokenizer: {path} asks to run its own Python code (auto_map in "
+                             "tokenizer_config.json); gapless never runs code from a model or tokenizer folder: use "
+                             "a tokenizer folder whose tokenizer_class is a transformers class") from None
         raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from None
 
 
