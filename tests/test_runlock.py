@@ -1,5 +1,6 @@
 """Run folder safety (gapless.train.runlock): the lock, the refusal to overwrite a run, the resume config check and
 the per-run default output folder."""
+import copy
 import os
 import signal
 import subprocess
@@ -57,8 +58,8 @@ def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path)
 
 
 def saved_and_new(*overrides):
-    saved = to_dict(load_config(data=MINIMAL))
-    return saved, to_dict(load_config(data=MINIMAL, overrides=list(overrides)))
+    saved = to_dict(load_config(data=copy.deepcopy(MINIMAL)))  # overrides edit the dict in place
+    return saved, to_dict(load_config(data=copy.deepcopy(MINIMAL), overrides=list(overrides)))
 
 
 @pytest.mark.parametrize("override,field", [
