@@ -65,6 +65,8 @@ def register_train(sub) -> None:
                    "and time, then stop (no weights are loaded)")
     p.add_argument("--gpu-gib", type=float, help="with --dry-run: the GPU's memory, to say whether it fits")
     p.add_argument("--tokens-per-s", type=float, help="with --dry-run: a measured rate for the time estimate")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run the output folder holds (its checkpoints, metrics and final output)")
     p.set_defaults(func=run_train)
 
 
@@ -75,8 +77,11 @@ def run_train(args) -> int:
     from gapless.meter.timeline import process_start
     from gapless.train.loop import train
 
+    from gapless.train.runlock import output_dir_overrides
+
     started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
+    overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
@@ -87,8 +92,8 @@ def run_train(args) -> int:
     if report:
         print(report, file=sys.stderr, flush=True)
     write_environment(cfg.output_dir)  # environment.json: `gapless doctor --compare RUN_A RUN_B` reads it
-    train(cfg, started=started)
-    return 0
+    result = train(cfg, started=started, overwrite=args.overwrite)
+    return 1 if result.stopped in ("nonfinite", "final_write") else 0  # a signal's stop is ready for --resume
 
 
 def register_export(sub) -> None:
@@ -357,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the user's mistakes: one clear line, no traceback
         print(f"gapless {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops cleanly on its own)
+        print(f"gapless {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:
