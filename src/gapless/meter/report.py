@@ -86,8 +86,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
             run.compile.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
-        elif "loss" in r:
-            train[r["step"]] = r
+        elif "loss" in r:  # a step whose loss was not finite is null in the strict JSON: a gap in the plots
+            train[r["step"]] = {**r, "loss": math.nan if r["loss"] is None else r["loss"]}
     run.train = [train[s] for s in sorted(train)]
     if (path / "gpu.jsonl").is_file():
         run.gpu = load_samples(path / "gpu.jsonl")
