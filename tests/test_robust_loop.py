@@ -22,48 +22,26 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from gapless import demo_task
-from gapless.config import load_config
-from gapless.demo import write_base_model
+from gapless.config import to_dict
 from gapless.model import lora
 from gapless.train import guard, step as step_module
 from gapless.train.loop import train
 from gapless.train.runlock import RunLock
+from test_loop import base, run_config  # noqa: F401  (base: the module's fixture)
 
 SRC = str(Path(step_module.__file__).parents[2])
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("robust_loop")
-    model_dir = write_base_model(root / "base", seed=0)
-    data = demo_task.write_jsonl(demo_task.make_examples(120, seed=1), root / "data" / "train.jsonl")
-    return {"root": root, "model": model_dir, "data": data, "cache": root / "cache"}
+def config(base, out, *extra):
+    """test_loop's small LoRA run (grad_accum 2, dropout, checkpoints every 2 steps) into folder `out`."""
+    return run_config(base, str(out), **dict(x.split("=", 1) for x in extra))
 
 
-def raw_config(base: dict, out: Path, **overrides) -> dict:
-    raw = {
-        "model": {"path": str(base["model"]), "dtype": "float32", "device": "cpu"},
-        "data": {"sources": [{"path": str(base["data"]), "format": "messages"}], "max_seq_len": 64,
-                 "tokens_per_batch": 128, "cache_dir": str(base["cache"]), "num_workers": 0},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "kernel": "reference"},
-        "optim": {"lr": 1e-2},
-        "checkpoint": {"every": 2, "keep": 2},
-        "train": {"steps": 8, "log_every": 1, "seed": 3},
-        "output_dir": str(out),
-        "progress": False,
-    }
-    for key, value in overrides.items():
-        if "__" in key:
-            section, name = key.split("__")
-            raw[section][name] = value
-        else:
-            raw[key] = value
-    return raw
-
-
-def config(base, out, *extra, **overrides):
-    return load_config(data=raw_config(base, out, **overrides), overrides=list(extra))
+def config_file(base, out: Path, *extra) -> Path:
+    """The same run as a YAML file for the CLI, with progress lines on (the messages these tests read)."""
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(to_dict(config(base, out, "progress=true", *extra)), sort_keys=False))
+    return path
 
 
 def records(run: Path) -> list[dict]:
@@ -84,8 +62,8 @@ def test_a_nan_step_updates_nothing_and_is_counted(base, tmp_path, monkeypatch, 
         return loss * float("nan") if len(calls) == 3 else loss
 
     monkeypatch.setattr(step_module, "loss_sum", nan_in_step_3)
-    result = train(config(base, tmp_path / "run", f"optim.fused={str(fused).lower()}",
-                          "checkpoint.every=1", "checkpoint.keep=10"))
+    result = train(config(base, tmp_path / "run", f"optim.fused={str(fused).lower()}", "train.grad_accum=1",
+                          "train.steps=8", "checkpoint.every=1", "checkpoint.keep=10"))
     rec = [r for r in records(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in rec] == [0, 0, 1, 0, 0, 0, 0, 0]
     assert rec[2]["grad_norm"] is None and rec[2]["loss"] is None  # nan written as null
@@ -134,8 +112,7 @@ def test_a_diverged_run_stops_and_writes_no_nan_adapter(base, tmp_path, fault):
 
 
 def test_the_cli_exits_1_on_a_diverged_run(base, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw_config(base, tmp_path / "run", optim__lr=1e30, train__steps=30, progress=True)))
+    path = config_file(base, tmp_path / "run", "optim.lr=1e30", "train.steps=30")
     proc = subprocess.run([sys.executable, "-m", "gapless.cli", "train", str(path)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -171,9 +148,8 @@ def wait_for_step(run: Path, step: int, proc, timeout: float = 240) -> None:
 
 
 def test_sigterm_checkpoints_exits_0_and_resume_finishes(base, tmp_path):
-    path = tmp_path / "c.yaml"
     run = tmp_path / "run"
-    path.write_text(yaml.safe_dump(raw_config(base, run, train__steps=400, checkpoint__every=0, progress=True)))
+    path = config_file(base, run, "train.steps=400", "checkpoint.every=0")
     proc = start_cli([str(path)])
     wait_for_step(run, 3, proc)
     t0 = time.monotonic()
@@ -272,10 +248,7 @@ def test_kill_9_at_random_moments_loses_nothing(base, tmp_path):
     steps = 10
 
     def cfg_file(name):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(raw_config(base, tmp_path / name, train__steps=steps, checkpoint__every=1,
-                                                  checkpoint__keep=3, progress=True)))
-        return path
+        return config_file(base, tmp_path / name, f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3")
 
     ref = start_cli([str(cfg_file("reference"))])
     out, _ = ref.communicate(timeout=600)
