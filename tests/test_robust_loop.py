@@ -288,3 +288,23 @@ def test_kill_9_at_random_moments_loses_nothing(base, tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), f"trial {t}"
     print(f"kill -9 stress: {trials} trials, {killed_mid_run} killed mid-run ({killed_in_write} during a checkpoint "
           f"write), resumed from steps {resumed_from}; {trials} final adapters bit-identical to the uninterrupted run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_cuda_adamw_skips_a_nonfinite_step_on_the_device():
+    """The CUDA path of step_unless_nonfinite: found_inf read by the fused kernel, no host sync, nothing updated."""
+    p = torch.nn.Parameter(torch.ones(1024, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    p.grad = torch.ones_like(p)
+    guard.step_unless_nonfinite(opt, torch.tensor(1.0, device="cuda"))  # a good step
+    after_good = p.detach().clone()
+    moments = opt.state[p]["exp_avg"].clone()
+    p.grad = torch.full_like(p, float("nan"))
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the guarded step raises
+    try:
+        guard.step_unless_nonfinite(opt, torch.tensor(float("nan"), device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(p.detach(), after_good) and torch.equal(opt.state[p]["exp_avg"], moments)
+    assert int(opt.state[p]["step"]) == 1
