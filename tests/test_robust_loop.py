@@ -65,9 +65,9 @@ def test_a_nan_step_updates_nothing_and_is_counted(base, tmp_path, monkeypatch, 
     result = train(config(base, tmp_path / "run", f"optim.fused={str(fused).lower()}", "train.grad_accum=1",
                           "train.steps=8", "checkpoint.every=1", "checkpoint.keep=10"))
     rec = [r for r in records(tmp_path / "run") if "loss" in r]
-    assert [r["skipped_steps"] for r in rec] == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert [r["nonfinite_steps"] for r in rec] == [0, 0, 1, 0, 0, 0, 0, 0]
     assert rec[2]["grad_norm"] is None and rec[2]["loss"] is None  # nan written as null
-    assert result.skipped_steps == 1 and result.stopped is None and result.final_dir is not None
+    assert result.nonfinite_steps == 1 and result.stopped is None and result.final_dir is not None
     # step 3 changed nothing: its checkpoint's weights and optimizer moments equal step 2's
     ck = lambda s: torch.load(tmp_path / "run" / "checkpoints" / f"step-{s:08d}" / "model.pt", weights_only=True)
     opt = lambda s: torch.load(tmp_path / "run" / "checkpoints" / f"step-{s:08d}" / "optimizer.pt",
