@@ -39,10 +39,10 @@ def test_non_finite_and_negative_values_are_refused(override, says):
 def test_an_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"config.output_dir: .*/file is a file"):
-        config(f"output_dir={tmp_path / 'file'}")
+        config(f"output_dir={tmp_path / 'file'}").check_output_dir()
     with pytest.raises(ValueError, match=r"config.output_dir: .*/file/run cannot be created: .*/file is a file"):
-        config(f"output_dir={tmp_path / 'file' / 'run'}")
-    config(f"output_dir={tmp_path / 'a' / 'b'}")  # created later: fine
+        config(f"output_dir={tmp_path / 'file' / 'run'}").check_output_dir()
+    config(f"output_dir={tmp_path / 'a' / 'b'}").check_output_dir()  # created later: fine
 
 
 def test_a_read_only_output_dir_is_refused(tmp_path):
@@ -56,7 +56,7 @@ def test_a_read_only_output_dir_is_refused(tmp_path):
         ro.chmod(0o555)
     try:
         with pytest.raises(ValueError, match=r"config.output_dir: .*/ro/run is not writable"):
-            config(f"output_dir={ro / 'run'}")
+            config(f"output_dir={ro / 'run'}").check_output_dir()
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(ro)], check=True)

@@ -83,6 +83,7 @@ def run_train(args) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
     cfg = load_config(args.config, overrides)
+    cfg.check_output_dir()  # before environment.json is written into it
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
 

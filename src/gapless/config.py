@@ -485,10 +485,11 @@ class RunConfig:
         if self.resume and not self.checkpoint.every:
             warnings.warn(f"{where}.resume is true but checkpoint.every is 0: this run writes no checkpoints "
                           "to resume from later", stacklevel=2)
-        self._check_output_dir(where)
 
-    def _check_output_dir(self, where: str) -> None:
-        """output_dir is a folder this process can write, or can be created in one (checked before any work)."""
+    def check_output_dir(self, where: str = "config") -> None:
+        """output_dir is a folder this process can write, or can be created in one. Called by `train` before any
+        work, not by validate: a run folder's config.yaml read on another machine (export, report) names a folder
+        that need not exist there."""
         out = Path(self.output_dir).expanduser()
         if out.exists() and not out.is_dir():
             raise ValueError(f"{where}.output_dir: {out} is a file; give a folder for the run")

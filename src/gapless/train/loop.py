@@ -497,6 +497,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     progress = Progress(0, stream=out, enabled=cfg.progress)
     if auto_note:
         progress.message(auto_note)
+    cfg.check_output_dir()
     run_dir = Path(cfg.output_dir)
     with RunLock(run_dir):  # one run per folder; the kernel releases it however this process ends
         prepare_run_dir(run_dir, resume=cfg.resume, overwrite=overwrite)
