@@ -154,7 +154,7 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
     if not len(mix):
         why = "; ".join(f"{r.name}: {r.records:,} records" + (f", dropped {r.dropped}" if r.dropped else "")
                         for r in summary.sources if not r.name.startswith("eval: "))
-        raise ValueError(f"data.sources: no document to train on ({why}); an empty file or folder gives no records, "
+        raise ValueError(f"data.sources: no training documents ({why}); an empty file or folder gives no records, "
                          "and `gapless data` shows what each source holds")
     for message in summary.warnings:
         warnings.warn(message, stacklevel=2)
