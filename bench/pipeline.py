@@ -34,7 +34,7 @@ import torch
 from gapless.bench import append_row, device_name
 from gapless.config import load_config
 from gapless.data.batching import BatchSampler
-from gapless.data.tokenize import build_data
+from gapless.data.pipeline import build_data
 from gapless.model.decoder import CausalLM
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import build, load_weights, model_args_from_config, read_config

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from gapless.config import DataConfig, from_dict
-from gapless.data.tokenize import build_data
+from gapless.data.pipeline import build_data
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

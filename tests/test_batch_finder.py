@@ -155,7 +155,7 @@ def test_auto_is_a_config_value_that_needs_a_gpu(tmp_path):
 
 def test_split_rows_keeps_the_loss_and_the_token_counts(tmp_path):
     from gapless.data.batching import BatchSampler
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
     from gapless.model.loading import load_model
     from gapless.train.batch_finder import split_rows
     from gapless.train.step import loss_sum

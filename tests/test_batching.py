@@ -10,7 +10,7 @@ from gapless.config import DataConfig, SourceConfig, from_dict
 from gapless.data.batching import (IGNORE, Batch, BatchSampler, Mixture, documents_per_epoch, pack_best_fit,
                                    pack_first_fit)
 from gapless.data.cache import TokenizedDataset
-from gapless.data.tokenize import build_data
+from gapless.data.pipeline import build_data
 
 PAD = 0
 

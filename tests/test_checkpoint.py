@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -240,26 +241,146 @@ def test_synchronous_write(tmp_path, monkeypatch):
     manager.close()
 
 
-def test_background_exception_surfaces_at_the_next_call(tmp_path, monkeypatch):
-    def disk_full(obj, path):
-        raise OSError(28, "No space left on device", str(path))
+def test_a_failing_write_warns_once_keeps_the_previous_checkpoint_and_the_next_one_retries(tmp_path, monkeypatch):
+    real = checkpoint._write_torch
+    with CheckpointManager(tmp_path, keep=2) as manager:
+        manager.save(1, {"model": {"w": torch.ones(4)}}, {})
+        manager.wait()
+
+        def disk_full(obj, path):  # half a file written, then the disk is full
+            path.write_bytes(b"x" * 100)
+            raise OSError(28, "No space left on device", str(path))
+
+        monkeypatch.setattr(checkpoint, "_write_torch", disk_full)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manager.save(2, {"model": {"w": torch.ones(4)}}, {})
+            manager.wait()  # no exception: the run goes on
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "step 2 not written" in messages[0] and "No space left" in messages[0] \
+            and "step-00000001 is intact" in messages[0], messages
+        assert manager.failed_writes == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # no half-written folder
+        monkeypatch.setattr(checkpoint, "_write_torch", real)
+        manager.save(3, {"model": {"w": torch.full((4,), 3.0)}}, {})
+    assert latest_complete(tmp_path) == tmp_path / "step-00000003"
+
+
+def test_a_bug_in_the_writer_still_surfaces_at_the_next_call(tmp_path, monkeypatch):
+    def bug(obj, path):
+        raise TypeError("not an I/O error")
 
     manager = CheckpointManager(tmp_path, keep=2)
-    monkeypatch.setattr(checkpoint, "_write_torch", disk_full)
-    manager.save(1, {"model": {"w": torch.ones(4)}}, {})  # returns: the failure is in the thread
-    with pytest.raises(OSError, match="No space left"):
-        manager.wait()
-    manager.save(2, {"model": {"w": torch.ones(4)}}, {})
-    with pytest.raises(OSError, match="No space left"):
-        manager.save(3, {"model": {"w": torch.ones(4)}}, {})
-    manager.save(4, {"model": {"w": torch.ones(4)}}, {})
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(checkpoint, "_write_torch", bug)
+    manager.save(1, {"model": {"w": torch.ones(4)}}, {})
+    with pytest.raises(TypeError, match="not an I/O error"):
         manager.close()
-    assert list(tmp_path.iterdir()) == []  # failed writes leave no folder behind
-    monkeypatch.undo()
-    with CheckpointManager(tmp_path, keep=2) as manager:
-        manager.save(5, {"model": {"w": torch.ones(4)}}, {})
-    assert latest_complete(tmp_path) == tmp_path / "step-00000005"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root: skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(small_disk):
+    """A real ENOSPC: the first checkpoint (~400 KB) fits, the second does not."""
+    with CheckpointManager(small_disk / "ckpt", keep=2) as manager:
+        manager.save(1, {"model": {"w": torch.ones(100_000)}}, {})
+        manager.wait()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manager.save(2, {"model": {"w": torch.ones(200_000)}}, {})
+            manager.wait()
+    assert manager.failed_writes == 1 and "No space left on device" in str(caught[0].message)
+    assert sorted(p.name for p in (small_disk / "ckpt").iterdir()) == ["step-00000001"]
+    tensors, _ = load(latest_complete(small_disk / "ckpt"))
+    assert torch.equal(tensors["model"]["w"], torch.ones(100_000))
+
+
+def flip_first(path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    assert old in data, (old, data[:200])
+    path.write_bytes(data.replace(old, new, 1))
+
+
+# Damage to the newest checkpoint's manifest: each must be detected, named, and the previous checkpoint used.
+MANIFEST_DAMAGE = {
+    "missing": (lambda m: m.unlink(), "manifest.json is missing"),
+    "not_json": (lambda m: m.write_text("{not json"), "not valid JSON"),
+    "empty_list": (lambda m: m.write_text("[]"), "is a JSON list, not an object"),
+    "no_files": (lambda m: m.write_text(json.dumps({k: v for k, v in json.loads(m.read_text()).items()
+                                                    if k != "files"})), "does not list the checkpoint's files"),
+    "flipped_key": (lambda m: flip_first(m, b'"files"', b'"filez"'), "does not list the checkpoint's files"),
+    "flipped_size": (lambda m: flip_first(m, b'"size": ', b'"size": 9'), "bytes, the manifest says"),
+    "flipped_sha": (lambda m: m.write_text(m.read_text().replace('"sha256": "', '"sha256": "0', 1)), "sha256"),
+    "flipped_step": (lambda m: flip_first(m, b'"step": 4', b'"step": 5'), "says step 5, the folder is"),
+    "size_a_string": (lambda m: flip_first(m, b'"size": ', b'"size": "1"'), "not valid JSON|no size and sha256"),
+    "path_outside": (lambda m: m.write_text(m.read_text().replace('"meta.json"', '"../meta.json"')),
+                     "not a file of the checkpoint folder|does not list"),
+    "version": (lambda m: flip_first(m, b'"format_version": 1', b'"format_version": 7'), "format_version 7"),
+    "truncated": (lambda m: m.write_bytes(m.read_bytes()[:40]), "not valid JSON"),
+    "binary": (lambda m: m.write_bytes(b"\xff\xfe\x00garbage"), "not valid JSON"),
+}
+FILE_DAMAGE = {
+    "truncated_pt": (lambda d: (d / "model.pt").write_bytes((d / "model.pt").read_bytes()[:50]), "model.pt has 50 bytes"),
+    "flipped_byte_pt": (lambda d: flip_byte(d / "optimizer.pt"), "optimizer.pt does not match its sha256"),
+    "missing_meta": (lambda d: (d / "meta.json").unlink(), "meta.json is missing"),
+    "flipped_meta": (lambda d: flip_byte(d / "meta.json"), "meta.json does not match"),
+}
+
+
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def two_checkpoints(root):
+    with CheckpointManager(root, keep=3) as manager:
+        for step in (2, 4):
+            manager.save(step, {"model": {"w": torch.full((8,), float(step))}, "optimizer": {"m": torch.ones(3)}},
+                         {"sampler": step})
+    return root / "step-00000002", root / "step-00000004"
+
+
+@pytest.mark.parametrize("damage", sorted(MANIFEST_DAMAGE) + sorted(FILE_DAMAGE))
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, damage):
+    older, newer = two_checkpoints(tmp_path)
+    if damage in MANIFEST_DAMAGE:
+        hurt, says = MANIFEST_DAMAGE[damage]
+        hurt(newer / "manifest.json")
+    else:
+        hurt, says = FILE_DAMAGE[damage]
+        hurt(newer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert checkpoint.resume_point(tmp_path) == older
+    message = " ".join(str(w.message) for w in caught)
+    assert "step-00000004" in message and re.search(says, message), message
+    tensors, meta = load(older)
+    assert meta["step"] == 2 and torch.equal(tensors["model"]["w"], torch.full((8,), 2.0))
+    with pytest.raises(ValueError, match="step-00000004"):
+        load(newer)
+
+
+def test_no_usable_checkpoint_stops_the_resume_naming_each(tmp_path):
+    older, newer = two_checkpoints(tmp_path)
+    (older / "manifest.json").write_text("[]")
+    flip_byte(newer / "model.pt")
+    with pytest.raises(ValueError, match=r"no checkpoint verifies \(step-00000002: manifest.json is a JSON list.*"
+                                         r"step-00000004: model.pt does not match"):
+        checkpoint.resume_point(tmp_path)
+    assert checkpoint.resume_point(tmp_path / "none") is None  # no checkpoints at all: a fresh start is honest
+    (tmp_path / "empty").mkdir()
+    assert checkpoint.resume_point(tmp_path / "empty") is None
 
 
 def test_unsupported_values_are_refused_before_the_write(tmp_path):

@@ -21,7 +21,7 @@ import yaml
 from gapless import demo_task
 from gapless.config import from_dict, load_config, RunConfig
 from gapless.data.batching import IGNORE, Batch, BatchSampler
-from gapless.data.tokenize import build_data
+from gapless.data.pipeline import build_data
 from gapless.demo import write_base_model
 from gapless.model.loading import load_model
 from gapless.model.lora import apply_lora

@@ -8,7 +8,7 @@ import pytest
 from gapless import demo_task
 from gapless.config import load_config
 from gapless.data.batching import BatchSampler
-from gapless.data.tokenize import build_data
+from gapless.data.pipeline import build_data
 from gapless.demo import write_base_model
 from gapless.meter.flops import step_flops
 from gapless.model.loading import read_model_args

@@ -11,7 +11,8 @@ import pytest
 from gapless.config import DataConfig, SourceConfig, from_dict
 from gapless.data import tokenize
 from gapless.data.formats import read_source
-from gapless.data.tokenize import Encoder, build_data, load_tokenizer, tokenizer_template
+from gapless.data.pipeline import build_data
+from gapless.data.tokenize import Encoder, load_tokenizer, tokenizer_template
 
 # Qwen2.5's tool-calling ChatML template (the Qwen2 folder's own template has no tool support).
 QWEN_TOOL_TEMPLATE = r"""{%- if tools %}{{- '<|im_start|>system\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}{{- "\n\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n" }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- endif %}

@@ -206,7 +206,7 @@ def load_documents(opts, vocab_size: int) -> tuple[Mixture, str]:
     if not data.exists() or not tokenizer.is_dir():
         raise ValueError(f"--data {data} or --tokenizer {tokenizer} not found; pass both, or --lengths FILE "
                          "(a token-length file such as peers/lengths_shared_mix.txt)")
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
 
     cfg = from_dict(DataConfig, {"sources": [{"path": str(data)}], "tokenizer": str(tokenizer),
                                  "max_seq_len": opts.max_seq_len, "tokens_per_batch": opts.tokens_per_batch}, "data")

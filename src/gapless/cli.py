@@ -42,7 +42,8 @@ def register_data(sub) -> None:
 
 
 def run_data(args) -> int:
-    from gapless.data.summary import data_config_from_inputs, inspect
+    from gapless.data.pipeline import inspect
+    from gapless.data.summary import data_config_from_inputs
 
     cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides, format=args.format)
     inspect(cfg, as_json=args.json, example=args.example)
@@ -67,6 +68,8 @@ def register_train(sub) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="N processes on this machine (one per GPU) through torchrun: the same as "
                         "`torchrun --standalone --nproc-per-node N -m gapless.cli train CONFIG ...`")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run the output folder holds (its checkpoints, metrics and final output)")
     p.set_defaults(func=run_train)
 
 
@@ -77,10 +80,14 @@ def run_train(args) -> int:
     from gapless.meter.timeline import process_start
     from gapless.train.loop import train
     from gapless.train.parallel import launched_by_torchrun
+    from gapless.train.runlock import output_dir_overrides
 
     started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
+    if not launched_by_torchrun():  # ranks get the launcher's output_dir (a time in its name would differ by rank)
+        overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
     cfg = load_config(args.config, overrides)  # a bad config fails here, once, not in every rank
+    cfg.check_output_dir()  # before environment.json is written into it
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
 
@@ -93,7 +100,7 @@ def run_train(args) -> int:
 
         # torchrun's agent: it starts the ranks, ends them all when one fails, and exits non-zero with its error
         torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "gapless.cli", "train", args.config,
-                  *overrides])
+                  *overrides, *(["--overwrite"] if args.overwrite else [])])
         return 0
     if os.environ.get("RANK", "0") == "0":  # several ranks: rank 0 alone checks, prints and writes
         report = startup_report(cfg)  # the doctor's quick checks (~40 ms): the warnings and errors, before any work
@@ -104,8 +111,8 @@ def run_train(args) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         train = record(train)  # the failing rank's traceback goes to torchrun's error file and summary
-    train(cfg, started=started)
-    return 0
+    result = train(cfg, started=started, overwrite=args.overwrite)
+    return 1 if result.stopped in ("nonfinite", "final_write") else 0  # a signal's stop is ready for --resume
 
 
 def register_export(sub) -> None:
@@ -374,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the user's mistakes: one clear line, no traceback
         print(f"gapless {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops cleanly on its own)
+        print(f"gapless {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:

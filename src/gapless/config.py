@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import re
 import types
 import typing
@@ -50,6 +52,9 @@ class LoraConfig:
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:
             raise ValueError(f"{where}.r: must be a positive integer, got {self.r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"{where}.alpha: must be a positive number, got {self.alpha}; the update is scaled by "
+                             f"alpha / r (typical: alpha = 2 * r = {2 * self.r})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
         unknown = sorted(set(self.target_modules) - set(ALL_LINEAR))
@@ -81,6 +86,9 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def validate(self, where: str = "optim") -> None:
+        for key in ("lr", "weight_decay", "eps", "grad_clip"):  # nan passes every comparison below unnoticed
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{where}.{key}: must be a finite number, got {getattr(self, key)}")
         if not self.lr > 0:
             raise ValueError(f"{where}.lr: must be positive, got {self.lr}; typical: 2e-4 for LoRA, 2e-5 for full")
         if self.weight_decay < 0:
@@ -110,7 +118,7 @@ class ScheduleConfig:
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError(f"{where}: warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} "
                              "are both set; keep one and set the other to 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
+        if not 0.0 <= self.min_lr_ratio <= 1.0:  # (nan fails it too)
             raise ValueError(f"{where}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.kind == "constant" and self.min_lr_ratio:
             warnings.warn(f"{where}.min_lr_ratio={self.min_lr_ratio} is ignored with kind 'constant'; "
@@ -288,6 +296,9 @@ def read_yaml(path: str | Path) -> dict:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (byte 0x{e.object[e.start]:02x} at {e.start} is not UTF-8); "
+                         "give the run's YAML config") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -334,8 +345,8 @@ class SourceConfig:
             raise ValueError(f"{where}: set weight or epochs, not both")
         for key in ("weight", "epochs"):
             value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ValueError(f"{where}.{key}: must be positive, got {value}")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{where}.{key}: must be positive (and finite), got {value}")
         known = (DATA_FORMAT_FIELDS[self.format] if self.format != "auto"
                  else sorted({f for fields in DATA_FORMAT_FIELDS.values() for f in fields}))
         for key in self.columns:
@@ -442,8 +453,8 @@ class TrainConfig:
     def validate(self, where: str = "train") -> None:
         if self.steps < 0:
             raise ValueError(f"{where}.steps: must be >= 0 (0 = run `epochs` passes), got {self.steps}")
-        if self.steps == 0 and not self.epochs > 0:
-            raise ValueError(f"{where}: steps is 0 and epochs is {self.epochs}; set steps > 0 or epochs > 0")
+        if self.steps == 0 and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"{where}: steps is 0 and epochs is {self.epochs}; set steps > 0 or epochs > 0 (finite)")
         for key in ("grad_accum", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{where}.{key}: must be >= 1, got {getattr(self, key)}")
@@ -496,6 +507,31 @@ class RunConfig:
         if self.resume and not self.checkpoint.every:
             warnings.warn(f"{where}.resume is true but checkpoint.every is 0: this run writes no checkpoints "
                           "to resume from later", stacklevel=2)
+
+    def check_output_dir(self, where: str = "config") -> None:
+        """output_dir is a folder this process can write, or can be created in one. Called by `train` before any
+        work, not by validate: a run folder's config.yaml read on another machine (export, report) names a folder
+        that need not exist there."""
+        out = Path(self.output_dir).expanduser()
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{where}.output_dir: {out} is a file; give a folder for the run")
+        existing = out
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"{where}.output_dir: {out} cannot be created: {existing} is a file")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{where}.output_dir: {out} is not writable ({existing} is read-only for this user); "
+                             "choose another output_dir")
+
+    def check_model(self, model_config: dict, where: str = "config") -> None:
+        """The settings that need the model's config.json (called once it is read, before any data is tokenized)."""
+        limit = model_config.get("max_position_embeddings")
+        if limit and self.data.max_seq_len > limit:
+            warnings.warn(f"{where}.data.max_seq_len: {self.data.max_seq_len:,} is above the model's "
+                          f"max_position_embeddings {limit:,} (config.json of {self.model.path}): positions past it "
+                          "were never trained; lower max_seq_len unless the model is meant to extrapolate",
+                          stacklevel=2)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -123,7 +123,7 @@ def _run_demo(out: Path, steps: int, seed: int, stream) -> dict:
     held_out = demo_task.make_examples(200, seed=seed + 2)
     eval_file = demo_task.write_jsonl(held_out[:100], out / "data" / "eval.jsonl")
     test = held_out[100:]
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer = AutoTokenizer.from_pretrained(str(base), trust_remote_code=False)
     say(f"demo: task 'shift each letter by one' (e.g. {test[0]['messages'][0]['content']!r} -> "
         f"{test[0]['messages'][1]['content']!r}); tiny Llama in {base}")
 

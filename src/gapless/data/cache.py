@@ -8,13 +8,18 @@ A folder holds the documents of one source, concatenated:
   meta.json           the key's inputs, the tokenizer's pad id, the reading/tokenizing counts
 The arrays are memory-mapped on open, so a run holds no copy of the data in RAM. A folder is
 written under a temporary name and renamed into place, so a crashed run never leaves a half cache.
+The temporary name holds the writer's host and process id (`.KEY16-HOST8-PID-XXXX`): a run that was
+killed (SIGKILL, out of memory) cannot remove its own, so `clean_stale` removes those whose process
+is gone when the next run starts.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -72,7 +77,7 @@ class CacheWriter:
     def __init__(self, root: Path, key: str):
         root.mkdir(parents=True, exist_ok=True)
         self.final = root / key
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=root))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-{_HOST}-{os.getpid()}-", dir=root))
         self._ids = open(self.tmp / "ids.bin", "wb")
         self._mask = open(self.tmp / "mask.bin", "wb")
         self._lengths: list[np.ndarray] = []
@@ -103,6 +108,35 @@ class CacheWriter:
         self._ids.close()
         self._mask.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# The host part of a temporary folder's name: a cache folder on a shared file system sees the writes of
+# several machines, and a process id says nothing about another machine's processes.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_TMP = re.compile(r"\.[0-9a-f]{16}-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-.+")
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove the temporary folders that writers on this host left when they were killed; returns them."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for path in root.iterdir():
+        m = _TMP.fullmatch(path.name)
+        if m and m["host"] == _HOST and path.is_dir() and not _alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def lookup(root: Path, key: str) -> TokenizedDataset | None:

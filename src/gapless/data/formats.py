@@ -35,6 +35,12 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": 
 # The reasons a record is skipped under on_error: skip (the summary counts each).
 MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
+NOT_UTF8, TOO_LARGE = "not_utf8", "too_large"
+# The largest record read, in bytes of its line (JSON lines) or characters of its text (every format). Memory
+# and time grow with a record's size, not only its tokens: a 20 MB single-line record took 63 s and 9.2 GB to
+# tokenize (the tokenizer's offsets, ~460 bytes per character), and truncation to max_seq_len comes after it.
+# 4 MiB is ~1M Llama-3 tokens, 256 times the default max_seq_len; a longer text belongs in several records.
+MAX_RECORD_BYTES = 1 << 22
 
 
 class RecordError(ValueError):
@@ -96,8 +102,10 @@ def read_rows(file: Path) -> Iterator[tuple[str, dict | RecordError]]:
     """(where, row) for each record of a file; a row that is not a JSON object comes as a RecordError."""
     kind = SUFFIXES[file.suffix.lower()]
     if kind == "jsonl":
-        with open(file, encoding="utf-8") as f:  # lines end at \n only: str.splitlines would also split
-            yield from _jsonl_rows(file, f)     # at U+2028 and friends, which JSON strings may hold raw
+        with open(file, "rb") as f:  # lines end at \n only: str.splitlines would also split
+            _refuse_binary(file, f.read(8192))  # at U+2028 and friends, which JSON strings may hold raw
+            f.seek(0)
+            yield from _jsonl_rows(file, _bounded_lines(file, f))
     elif kind == "json":
         yield from _json_rows(file)
     elif kind == "csv":
@@ -106,15 +114,50 @@ def read_rows(file: Path) -> Iterator[tuple[str, dict | RecordError]]:
         yield from _arrow_rows(file, kind)
 
 
-def _jsonl_rows(file: Path, lines: Iterable[str]):
+def _refuse_binary(file: Path, head: bytes) -> None:
+    """A NUL byte is never in a text file (JSON escapes it as \\u0000): the file is binary, not skippable."""
+    at = head.find(b"\0")
+    if at >= 0:
+        raise ValueError(f"{file}: a binary file (a NUL byte at byte {at}), not "
+                         f"{SUFFIXES[file.suffix.lower()]} text; point the source at the data files")
+
+
+def _bounded_lines(file: Path, f) -> Iterator[str | RecordError]:
+    """Each line of a binary file as text, or as the RecordError of a line that is not UTF-8 or is larger
+    than MAX_RECORD_BYTES (read past in 1 MiB pieces: memory stays bounded)."""
+    n = 0
+    while line := f.readline(MAX_RECORD_BYTES + 1):
+        n += 1
+        if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+            size = len(line)
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                size += len(rest)
+            size += len(rest)
+            yield RecordError(f"{file}:{n}", None, TOO_LARGE, f"a record of {size:,} bytes, over the limit of "
+                              f"{MAX_RECORD_BYTES:,} (gapless.data.formats.MAX_RECORD_BYTES); split it into records")
+            continue
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield RecordError(f"{file}:{n}", None, NOT_UTF8, f"not UTF-8 text (byte 0x{line[e.start]:02x} at "
+                              f"column {e.start + 1}); re-encode the file as UTF-8")
+
+
+def _jsonl_rows(file: Path, lines: Iterable[str | RecordError]):
     for n, line in enumerate(lines, 1):
+        if isinstance(line, RecordError):
+            yield line.where, line
+            continue
         if not line.strip():
             continue
         where = f"{file}:{n}"
         try:
-            row = json.loads(line)
+            row = json.loads(line.removeprefix("\ufeff") if n == 1 else line)  # a UTF-8 BOM (Windows editors)
         except json.JSONDecodeError as e:
             yield where, RecordError(where, None, MALFORMED_JSON, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        except RecursionError:  # json's parser recurses once per nesting level
+            yield where, RecordError(where, None, MALFORMED_JSON, "JSON nested too deeply to read")
             continue
         yield where, row if isinstance(row, dict) else RecordError(
             where, None, BAD_VALUE, f"expected a JSON object, got {type(row).__name__}")
@@ -125,7 +168,15 @@ _WS = re.compile(r"\s*")
 
 def _json_rows(file: Path):
     """A JSON array of objects (each located by the line it starts on), else one object per line."""
-    text = file.read_text(encoding="utf-8")
+    data = file.read_bytes()
+    _refuse_binary(file, data[:8192])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:  # one JSON document: nothing after the bad byte can be located by record
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
+                         "re-encode the file as UTF-8") from None
+    del data
     i = _WS.match(text).end()
     if not text.startswith("[", i):
         try:
@@ -159,13 +210,22 @@ def _json_rows(file: Path):
 
 
 def _csv_rows(file: Path):
+    with open(file, "rb") as f:
+        _refuse_binary(file, f.read(8192))
     with open(file, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        reader.fieldnames  # reads the header line(s)
-        start = reader.line_num + 1
-        for row in reader:
-            yield f"{file}:{start}", row  # the line the record starts on (quoted cells may span lines)
+        start = 1
+        try:
+            reader.fieldnames  # reads the header line(s)
             start = reader.line_num + 1
+            for row in reader:
+                yield f"{file}:{start}", row  # the line the record starts on (quoted cells may span lines)
+                start = reader.line_num + 1
+        except UnicodeDecodeError as e:  # a CSV reader cannot resynchronise after a bad byte: not skippable
+            raise ValueError(f"{file}: not UTF-8 text (byte 0x{e.object[e.start]:02x}) after line {start - 1}; "
+                             "re-encode the file as UTF-8") from None
+        except csv.Error as e:  # e.g. a cell over csv.field_size_limit() (128 KiB)
+            raise ValueError(f"{file}:{start}: not readable as CSV ({e})") from None
 
 
 def _arrow_rows(file: Path, kind: str):
@@ -174,20 +234,23 @@ def _arrow_rows(file: Path, kind: str):
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{file}: reading {kind} files needs pyarrow; pip install pyarrow") from None
-    if kind == "parquet":
-        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
-    else:  # datasets writes the Arrow IPC stream format; plain .arrow files may be the file format
-        source = pa.memory_map(str(file))
-        try:
-            batches = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(source)
-            batches = (reader.get_batch(k) for k in range(reader.num_record_batches))
     n = 0
-    for batch in batches:
-        for row in batch.to_pylist():
-            yield f"{file} row {n}", row
-            n += 1
+    try:
+        if kind == "parquet":
+            batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+        else:  # datasets writes the Arrow IPC stream format; plain .arrow files may be the file format
+            source = pa.memory_map(str(file))
+            try:
+                batches = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(k) for k in range(reader.num_record_batches))
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield f"{file} row {n}", row
+                n += 1
+    except (pa.ArrowException, OSError) as e:  # a damaged or truncated file: the rows after it are lost
+        raise ValueError(f"{file} row {n}: not a readable {kind} file ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,9 +269,19 @@ def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[
             if fmt == "auto":
                 fmt = detect_format(row, src.columns, where)
             try:
-                yield to_example(row, fmt, src.columns, roles, where)
+                yield _bounded(to_example(row, fmt, src.columns, roles, where))
             except RecordError as e:
                 yield e
+
+
+def _bounded(ex: Example) -> Example:
+    """The example, unless its text is over MAX_RECORD_BYTES characters (any format; JSON lines are bounded
+    when read)."""
+    size = len(ex.text) if ex.text is not None else sum(len(m.get("content") or "") for m in ex.messages)
+    if size > MAX_RECORD_BYTES:
+        raise RecordError(ex.where, None, TOO_LARGE, f"{size:,} characters of text, over the limit of "
+                          f"{MAX_RECORD_BYTES:,} (gapless.data.formats.MAX_RECORD_BYTES); split it into records")
+    return ex
 
 
 def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
@@ -291,6 +364,9 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
         raise RecordError(where, field, BAD_VALUE, f"expected an object, got {type(turn).__name__}")
     if role_key not in turn:
         raise RecordError(where, f"{field}.{role_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
+    if not isinstance(turn[role_key], str):
+        raise RecordError(where, f"{field}.{role_key}", BAD_VALUE,
+                          f"expected a string, got {type(turn[role_key]).__name__} {turn[role_key]!r:.60}")
     role = roles.get(turn[role_key])
     if role is None:
         raise RecordError(where, f"{field}.{role_key}", UNKNOWN_ROLE,

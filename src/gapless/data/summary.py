@@ -1,12 +1,10 @@
 """What a run's data is: the summary every run prints, a length histogram, and a decoded example
 with the trained tokens marked, so a user sees what the model will learn before spending GPU hours.
-`inspect` is the body of `gapless data`.
+`gapless data` prints them (gapless.data.pipeline.inspect).
 """
 from __future__ import annotations
 
-import json
 import math
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -175,30 +173,3 @@ def data_config_from_inputs(inputs: list[str], *, tokenizer: str | None = None, 
         section["tokenizer"] = tokenizer
     apply_overrides(section, [o.removeprefix("data.") for o in overrides])
     return from_dict(DataConfig, section, "data")
-
-
-def inspect(cfg: DataConfig, *, as_json: bool = False, example: int = 0, histogram: bool = True) -> dict:
-    """Build the data as a run would and print the summary, the histogram and one decoded example;
-    with `as_json`, the last line printed is the summary as one JSON object."""
-    from gapless.data.tokenize import build_data, load_tokenizer
-
-    with warnings.catch_warnings(record=True) as caught:  # shown once, below, not also as Python warnings
-        warnings.simplefilter("always")
-        mix, _, summary = build_data(cfg)
-    summary.warnings += [str(w.message) for w in caught if str(w.message) not in summary.warnings]
-    print(summary.format())
-    if histogram:
-        print()
-        print(length_histogram(mix.lengths))
-    if len(mix):
-        i = min(max(example, 0), len(mix) - 1)
-        ids, mask = mix.doc(i)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        print(f"\nexample {i} ({len(ids):,} tokens, {int(mask[1:].sum()):,} trained, "
-              f"trained text between {MARK_OPEN} {MARK_CLOSE}):")
-        print(format_example(np.asarray(ids), np.asarray(mask), tokenizer))
-    out = summary.to_dict()
-    if as_json:
-        print(json.dumps(out))
-    return out
-

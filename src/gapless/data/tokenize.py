@@ -11,32 +11,30 @@ is trained, the separator a template writes after it (ChatML's newline) is not.
 This needs a template whose rendering of a prefix of the conversation is a prefix of the full
 rendering; one that is not (e.g. one that drops earlier turns' reasoning) is reported, not guessed.
 
-`build_data` is what a run calls: read every source, tokenize what the cache lacks, split off
-eval data, mix the sources, and summarize it all.
+The pipeline that reads, tokenizes, caches and mixes a run's sources is gapless.data.pipeline.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import itertools
 import json
 import multiprocessing
 import os
 import time
-import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from gapless.config import DataConfig, SourceConfig
-from gapless.data.cache import CacheWriter, FileHashes, TokenizedDataset, cache_key, lookup
-from gapless.data.formats import DEFAULT_ROLES, Example, RecordError, read_source, resolve_files
+from gapless.data.formats import Example, RecordError
 
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
+UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.json",
@@ -54,8 +52,14 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        # trust_remote_code=False: a folder whose auto_map names its own Python code is refused, never run and never
+        # answered by transformers' interactive "run the custom code? [y/N]" prompt
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
+        if "custom code" in str(e):
+            raise ValueError(f"data.tokenizer: {path} asks to run its own Python code (auto_map in "
+                             "tokenizer_config.json); gapless never runs code from a model or tokenizer folder: use "
+                             "a tokenizer folder whose tokenizer_class is a transformers class") from None
         raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from None
 
 
@@ -184,7 +188,18 @@ class Encoder:
                 except RecordError as e:
                     errors.append((r, e))
         out = Chunk(len(items), counts=counts)
-        for r, ex, ids, mask in sorted(self._tokenize_chats(chats) + self._tokenize_texts(texts), key=lambda d: d[0]):
+        try:
+            docs = self._tokenize_chats(chats) + self._tokenize_texts(texts)
+        except Exception:  # the Rust tokenizer refused some text, for the whole batch: find which record
+            docs = []
+            for one, tokenize_ in [([c], self._tokenize_chats) for c in chats] + [([t], self._tokenize_texts)
+                                                                                 for t in texts]:
+                try:
+                    docs += tokenize_(one)
+                except Exception as e:  # e.g. "WordLevel error: Missing [UNK] token from the vocabulary"
+                    r, ex = one[0][0], one[0][1]
+                    errors.append((r, RecordError(ex.where, None, UNENCODABLE, self._unencodable(ex, e))))
+        for r, ex, ids, mask in sorted(docs, key=lambda d: d[0]):
             if not mask[1:].any():  # position 0 is never predicted
                 errors.append((r, RecordError(ex.where, "messages", NOTHING_TO_TRAIN,
                                               "no token left to train on after masking")))
@@ -195,6 +210,21 @@ class Encoder:
                 out.add(piece_ids, piece_mask, r)
         out.errors = [e for _, e in sorted(errors, key=lambda x: x[0])]
         return out
+
+    def _unencodable(self, ex: Example, error: Exception) -> str:
+        """What the tokenizer cannot encode in `ex`: the first few characters it refuses on their own."""
+        text = ex.text if ex.text is not None else "".join(m.get("content") or "" for m in ex.messages)
+        bad = []
+        for c in sorted(set(text)):
+            try:
+                self.tok(c, add_special_tokens=False)
+            except Exception:
+                bad.append(c)
+                if len(bad) == 5:
+                    break
+        chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in bad) or "a character sequence"
+        return (f"the tokenizer cannot encode {chars} ({error}); remove or replace them, or use a tokenizer "
+                "with an unknown token or byte fallback")
 
     def _tokenize_chats(self, chats: list[tuple]) -> list[tuple]:
         """(record, example, text, spans) -> (record, example, ids, mask), in one batched tokenizer call
@@ -274,12 +304,19 @@ class Tokenizing:
     The pool starts on the first source of two chunks or more and serves every later source of the
     run. Workers are forked where the OS can (as torch's DataLoader does), so they start at once
     with the tokenizer already loaded; spawning instead costs ~5 s per worker to import transformers.
+
+    The pool is concurrent.futures' ProcessPoolExecutor, fed at most 2 chunks per worker ahead of the
+    reader (memory stays bounded whatever the source's size). An exception in a worker comes back with
+    its chunk's result and ends the pool; a worker that dies (killed, out of memory) breaks the pool
+    at once (BrokenProcessPool), where multiprocessing.Pool's imap waits forever for the lost result.
+    (Pool.terminate after a worker raised also hung, once in 20 tries, for over 10 minutes at 0% CPU:
+    its shutdown takes the task queue's read lock, which an idle worker blocked in recv() holds.)
     """
 
     def __init__(self, tokenizer_dir: Path, chat_template: str | None, settings: dict, num_workers: int):
         self.folder, self.chat_template, self.settings = tokenizer_dir, chat_template, settings
         self.num_workers = num_workers
-        self.pool = None
+        self.pool: ProcessPoolExecutor | None = None
         self._local: Encoder | None = None
 
     @property
@@ -301,13 +338,40 @@ class Tokenizing:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             context = multiprocessing.get_context("fork" if fork else "spawn")
             args = self.local if fork else (str(self.folder), self.local.template, self.settings)
-            self.pool = context.Pool(self.num_workers, _init_worker, (args,))
-        return self.pool.imap(_encode_in_worker, itertools.chain(head, chunks))
+            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_init_worker,
+                                            initargs=(args,))
+        return self._in_order(itertools.chain(head, chunks))
+
+    def _in_order(self, chunks: Iterator[list]) -> Iterator[Chunk]:
+        ahead: deque[Future] = deque()
+        try:
+            for chunk in chunks:
+                ahead.append(self.pool.submit(_encode_in_worker, chunk))
+                if len(ahead) >= 2 * self.num_workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+        except BrokenProcessPool:
+            raise RuntimeError(f"a tokenizer worker process died (killed, or out of memory) while tokenizing "
+                               f"with the tokenizer in {self.folder}; set data.num_workers: 0 to tokenize in "
+                               "this process and see the error") from None
+        finally:
+            for future in ahead:
+                future.cancel()
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+        """End the pool: the chunks in flight are dropped, the workers ended (killed after 5 s)."""
+        if self.pool is None:
+            return
+        processes = list(getattr(self.pool, "_processes", {}).values())  # to end them when the pool did not
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = None
+        deadline = time.monotonic() + 5.0
+        for p in processes:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def chunked(records: Iterator[Example | RecordError]) -> Iterator[list]:
@@ -321,137 +385,3 @@ def chunked(records: Iterator[Example | RecordError]) -> Iterator[list]:
             chunk, chars = [], 0
     if chunk:
         yield chunk
-
-
-def tokenizer_fingerprint(folder: Path, hashes: FileHashes) -> dict:
-    return {name: hashes(folder / name) for name in sorted(os.listdir(folder))
-            if name in TOKENIZER_FILES or name.endswith(".jinja")}
-
-
-def tokenize_source(src: SourceConfig, files: list[Path], tokenizing: Tokenizing, writer: CacheWriter,
-                    on_error: str) -> dict:
-    """Read and tokenize one source into the cache writer; returns its counts (stored in the cache's meta)."""
-    counts: Counter = Counter()
-    first_errors: list[str] = []
-    base = tokens = target_tokens = 0
-    for chunk in tokenizing.map(chunked(read_source(src, files))):
-        for e in chunk.errors:
-            if on_error == "raise":
-                raise ValueError(f"{e} (set data.on_error: skip to skip and count such records)")
-            counts[f"dropped:{e.reason}"] += 1
-            if len(first_errors) < 5:
-                first_errors.append(str(e))
-        counts.update(chunk.counts)
-        writer.add(chunk.ids, chunk.mask, base + np.asarray(chunk.records, np.int64))
-        base += chunk.num_records
-        tokens += sum(len(x) for x in chunk.ids)
-        target_tokens += sum(int(m[1:].sum()) for m in chunk.mask)  # a document's first token is never a target
-    return {"records": base, "counts": dict(counts), "first_errors": first_errors, "tokens": tokens,
-            "target_tokens": target_tokens}
-
-
-# ---------------------------------------------------------------------------------------------
-# the entry point of a run
-
-
-@dataclass
-class SourceData:
-    """One source's tokenized documents and how they were made."""
-    config: SourceConfig
-    dataset: TokenizedDataset
-    cache: str  # "hit" or "miss"
-    seconds: float  # reading + tokenizing (miss) or opening (hit)
-
-    @property
-    def name(self) -> str:
-        return self.config.name or self.config.path
-
-
-def load_source(src: SourceConfig, cfg: DataConfig, tokenizing: Tokenizing, tok_fp: dict, hashes: FileHashes,
-                root: Path) -> SourceData:
-    t0 = time.perf_counter()
-    files = resolve_files(src.path)
-    key = cache_key({
-        "files": [hashes(f) for f in files],
-        "format": src.format, "columns": src.columns, "roles": {**DEFAULT_ROLES, **src.roles},
-        "tokenizer": tok_fp, "template": tokenizing.chat_template, "max_seq_len": cfg.max_seq_len,
-        "train_on": cfg.train_on, "overlong": cfg.overlong, "on_error": cfg.on_error, "versions": _library_versions(),
-    })
-    dataset = lookup(root, key)
-    if dataset is not None:
-        return SourceData(src, dataset, "hit", time.perf_counter() - t0)
-    writer = CacheWriter(root, key)
-    try:
-        stats = tokenize_source(src, files, tokenizing, writer, cfg.on_error)
-    except BaseException:
-        writer.abort()
-        raise
-    meta = {"source": src.path, "files": [str(f) for f in files], "pad_id": _pad_id(tokenizing.local.tok),
-            "seconds": time.perf_counter() - t0, **stats}
-    return SourceData(src, writer.commit(meta), "miss", time.perf_counter() - t0)
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-
-def _library_versions() -> dict:
-    return {name: importlib.metadata.version(name) for name in ("transformers", "tokenizers")}
-
-
-def split_eval(data: SourceData, fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """A seeded `fraction` of the source's records (all documents of a record go the same way)."""
-    ds = data.dataset
-    records = ds.records[ds.docs]
-    unique = np.unique(records)
-    rng = np.random.default_rng([seed, len(unique), 0xE7A1])
-    held = rng.choice(unique, size=int(round(fraction * len(unique))), replace=False)
-    is_eval = np.isin(records, held)
-    return ds.subset(np.flatnonzero(~is_eval)), ds.subset(np.flatnonzero(is_eval))
-
-
-def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_workers: int | None = None):
-    """Read, tokenize (or load from the cache) and mix the data of a run.
-
-    Returns (train Mixture, eval Mixture or None, DataSummary). The tokenizer is data.tokenizer,
-    else `tokenizer_dir` (the training loop passes the model folder).
-    """
-    from gapless.data.batching import BatchSampler, Mixture
-    from gapless.data.summary import DataSummary
-
-    folder = cfg.tokenizer or tokenizer_dir
-    if folder is None:
-        raise ValueError("data.tokenizer: not set, and no model folder to take the tokenizer from")
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"data.tokenizer: {folder} is not a folder; give an HF tokenizer or model folder")
-    root = Path(cfg.cache_dir).expanduser()
-    hashes = FileHashes(root)
-    # the folder's own template is covered by the fingerprint of its files; a configured one by its text
-    tok_fp = tokenizer_fingerprint(folder, hashes)
-    settings = dict(max_seq_len=cfg.max_seq_len, train_on=cfg.train_on, overlong=cfg.overlong)
-    workers = num_workers if num_workers is not None else cfg.num_workers
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    tokenizing = Tokenizing(folder, read_chat_template(cfg.chat_template), settings, workers)
-    try:
-        train = [load_source(s, cfg, tokenizing, tok_fp, hashes, root) for s in cfg.sources]
-        evals = [load_source(s, cfg, tokenizing, tok_fp, hashes, root) for s in cfg.eval_sources]
-    finally:
-        tokenizing.close()
-        hashes.save()
-    train_sets = [d.dataset for d in train]
-    eval_sets = [d.dataset for d in evals]
-    if cfg.eval_fraction > 0:
-        pairs = [split_eval(d, cfg.eval_fraction, cfg.seed) for d in train]
-        train_sets, eval_sets = [p[0] for p in pairs], [p[1] for p in pairs]
-    names = [d.name for d in train]
-    mix = Mixture.from_config(train_sets, cfg.sources, names)
-    eval_mix = Mixture(eval_sets, [len(d) for d in eval_sets], names if cfg.eval_fraction > 0
-                       else [d.name for d in evals]) if eval_sets else None
-    sampler = BatchSampler.from_config(cfg, mix)
-    summary = DataSummary.build(cfg, train, evals, mix, eval_mix, sampler)
-    for message in summary.warnings:
-        warnings.warn(message, stacklevel=2)
-    return mix, eval_mix, summary
-

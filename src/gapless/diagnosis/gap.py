@@ -239,7 +239,7 @@ class Stages:
 def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log=None) -> dict:
     """Measure the gap of `cfg` (windows of `steps` measured steps under `out`); gap.json's content."""
     from gapless.data.batching import BatchSampler
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
     from gapless.train.loop import resolve_auto, resolve_device, total_steps
 
     if steps < 2:

@@ -195,7 +195,7 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
     import math
     from dataclasses import replace
 
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
     from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
     from gapless.meter.flops import step_flops
     from gapless.model.loading import read_model_args

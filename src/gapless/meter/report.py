@@ -41,6 +41,7 @@ import html
 import io
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,8 +86,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
             run.compile.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
-        elif "loss" in r:
-            train[r["step"]] = r
+        elif "loss" in r:  # a step whose loss was not finite is null in the strict JSON: a gap in the plots
+            train[r["step"]] = {**r, "loss": math.nan if r["loss"] is None else r["loss"]}
     run.train = [train[s] for s in sorted(train)]
     if (path / "gpu.jsonl").is_file():
         run.gpu = load_samples(path / "gpu.jsonl")
@@ -522,7 +523,12 @@ def write_report(run_dir: str | Path, pending: list[dict] = ()) -> Path:
     """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run)."""
     run = read_run(run_dir, pending)
     out = run.path / "report.html"
-    out.write_text(render(run), encoding="utf-8")
+    tmp = out.with_name(f".report.html.tmp-{os.getpid()}")  # a rename: a reader never sees half a report
+    try:
+        tmp.write_text(render(run), encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

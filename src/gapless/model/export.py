@@ -4,11 +4,19 @@ Used after full fine-tuning and after `merge_lora`. The config is the source's c
 only the dtype updated, weights are safetensors (sharded with model.safetensors.index.json above
 `max_shard_bytes`, named as transformers names them), and generation_config.json plus the
 tokenizer files are copied from the source folder when it has them.
+
+Final outputs are written atomically (`atomic_folder`): into a temporary folder beside the output, then one rename
+when the output folder is new; into an existing folder, its config file is removed first and moved back in last,
+so a kill or a full disk never leaves a folder that looks complete (config present) with missing or short weights.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors import safe_open
@@ -39,7 +47,6 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     out = Path(out_dir)
     if source is not None and out.resolve() == Path(source).resolve():
         raise ValueError(f"{out}: is the source folder; write the model to a new folder")
-    out.mkdir(parents=True, exist_ok=True)
 
     state = model.state_dict()
     if model.args.tie_word_embeddings:  # transformers re-ties lm_head to the embedding on load
@@ -54,7 +61,6 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     dtype_name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = dtype_name  # transformers 4.x reads this key
     config["dtype"] = dtype_name  # and 5.x this one
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     shards: list[list[str]] = [[]]
     size = 0
@@ -65,20 +71,21 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
             size = 0
         shards[-1].append(key)
         size += nbytes
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()  # shards of an earlier export would otherwise mix with these
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, keys in zip(names, shards):
-        # one shard at a time on the CPU: the peak extra memory is one shard, not the model
-        save_file({k: state[k].detach().to("cpu").contiguous() for k in keys}, out / name, metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-    if source is not None:
-        copy_tokenizer_files(source, out)
+    # shards of an earlier export would otherwise mix with these
+    with atomic_folder(out, "config.json", stale=("model*.safetensors", "model.safetensors.index.json")) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, keys in zip(names, shards):
+            # one shard at a time on the CPU: the peak extra memory is one shard, not the model
+            save_file({k: state[k].detach().to("cpu").contiguous() for k in keys}, tmp / name,
+                      metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if source is not None:
+            copy_tokenizer_files(source, tmp)
     return out
 
 
@@ -90,6 +97,36 @@ def _tensors_outside(source: str | Path, prefix: str) -> dict:
             with safe_open(path, framework="pt") as st:
                 tensors[key] = st.get_tensor(key)
     return tensors
+
+
+@contextmanager
+def atomic_folder(out: Path, last: str, stale: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yields a temporary folder beside `out` to write into; on success its files become `out`'s (see the module
+    doc): `last` (the file that makes the folder look complete) is moved in last, and `out`'s files matching a
+    `stale` glob are removed. On an exception the temporary folder is removed and `out` holds no `last`."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is a file; give a folder to write to")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # durable before the rename makes them visible (power loss, not only kills)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if not out.exists():
+            os.rename(tmp, out)
+            return
+        (out / last).unlink(missing_ok=True)  # from here on `out` does not look complete until the end
+        for pattern in stale:
+            for f in out.glob(pattern):
+                f.unlink()
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == last):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 
 
 def copy_tokenizer_files(source: str | Path, out: str | Path) -> list[str]:

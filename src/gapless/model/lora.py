@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
 from gapless.kernels.lora import lora_linear_grouped, lora_linear_reference
-from gapless.model.export import save_pretrained  # noqa: F401  (merged export, the step after merge_lora)
+from gapless.model.export import atomic_folder, save_pretrained  # noqa: F401  (save_pretrained: merged export)
 from gapless.model.loading import PICKLE_SUFFIXES
 
 PEFT_PREFIX = "base_model.model."
@@ -134,7 +134,6 @@ def save_adapter(model: nn.Module, out_dir: str | Path, cfg: LoraConfig | None =
     if base is None:
         raise ValueError("save_adapter: pass base_model_name_or_path (a hub id or the base model's folder)")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
     # keys every peft >= 0.13 knows; the rest of PEFT's options keep their defaults
     config = {
@@ -144,9 +143,10 @@ def save_adapter(model: nn.Module, out_dir: str | Path, cfg: LoraConfig | None =
         "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
     }
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
-    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    with atomic_folder(out, ADAPTER_CONFIG) as tmp:  # a full disk or a kill leaves no adapter that looks complete
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     return out
 
 

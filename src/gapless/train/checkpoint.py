@@ -13,7 +13,13 @@ A checkpoint is written into `.tmp-step-XXXXXXXX`, each file fsynced, the manife
 and only then renamed to `step-XXXXXXXX` (rename is atomic on POSIX file systems). A crash at any
 point leaves either a `.tmp-*` folder or a complete folder, and a folder whose files no longer
 match the manifest (truncated, bit rot) fails its checksums: `latest_complete` skips all of these
-with a warning and returns the newest checkpoint that verifies.
+with a warning and returns the newest checkpoint that verifies. `resume_point` is what a resume
+calls: the same, but when checkpoints exist and none verifies it raises, naming each folder's
+problem, so a run never silently starts over.
+
+A write that fails (a full disk, an I/O error) removes its `.tmp-*` folder, leaves every earlier
+checkpoint as it was, warns once in one line and counts itself in `failed_writes`; the run goes on
+and the next checkpoint tries again.
 
 One writer per `root_dir`: in a multi-process run only rank 0 saves. RNG states are per process;
 `capture_rng_state` only captures the calling process's.
@@ -143,6 +149,7 @@ class CheckpointManager:
         self.stall_seconds = 0.0
         self.last_stall_seconds = 0.0
         self.snapshot_seconds = 0.0
+        self.failed_writes = 0  # writes that failed with an OSError (full disk, I/O error), each warned once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gapless-checkpoint") \
             if async_write else None
         self._pending: Future | None = None
@@ -249,9 +256,21 @@ class CheckpointManager:
                 os.rename(final, trash)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if trash.exists() and not final.exists():
+                os.rename(trash, final)
+            io_error = _io_error(e)
+            if io_error is None:
+                raise
+            e = io_error
+            self.failed_writes += 1
+            previous = [p.name for _, p in _step_dirs(self.root)]
+            warnings.warn(f"checkpoint step {job.step} not written to {self.root}: {e.strerror or e} "
+                          f"({type(e).__name__}); "
+                          + (f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint")
+                          + "; the next checkpoint tries again", stacklevel=2)
+            return
         shutil.rmtree(trash, ignore_errors=True)
         self._prune(job.step)
 
@@ -264,6 +283,17 @@ class CheckpointManager:
             shutil.rmtree(path)
         for path in [*self.root.glob(f"{_TMP_PREFIX}*"), *self.root.glob(".trash-*")]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _io_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e`, if any: torch.save reports a full disk as a RuntimeError ("unexpected pos")
+    raised while handling the OSError of the failed write."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 class _HashingWriter:
@@ -337,8 +367,9 @@ def check_checkpoint(path: str | Path) -> str | None:
         manifest = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError):
         return f"{MANIFEST} is not valid JSON"
-    if manifest.get("format_version") != FORMAT_VERSION:
-        return f"{MANIFEST} has format_version {manifest.get('format_version')!r}, this gapless reads {FORMAT_VERSION}"
+    problem = _manifest_problem(manifest, path)
+    if problem is not None:
+        return f"{MANIFEST} {problem}"
     for name, info in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -348,6 +379,26 @@ def check_checkpoint(path: str | Path) -> str | None:
             return f"{name} has {size} bytes, the manifest says {info['size']} (truncated?)"
         if _sha256(file) != info["sha256"]:
             return f"{name} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def _manifest_problem(manifest: Any, path: Path) -> str | None:
+    """What is wrong with the shape of a parsed manifest (a flipped character can leave valid JSON), or None."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"has format_version {manifest.get('format_version')!r}, this gapless reads {FORMAT_VERSION}"
+    m = _STEP_DIR.fullmatch(path.name)
+    if m and manifest.get("step") != int(m.group(1)):
+        return f"says step {manifest.get('step')!r}, the folder is {path.name}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or META not in files or not any(n.endswith(".pt") for n in files):
+        return f"does not list the checkpoint's files ({META} and the .pt tensor groups)"
+    for name, info in files.items():
+        if "/" in name or "\\" in name or name.startswith(".") or name == MANIFEST:
+            return f"lists {name!r}, which is not a file of the checkpoint folder"
+        if not (isinstance(info, dict) and type(info.get("size")) is int and isinstance(info.get("sha256"), str)):
+            return f"has no size and sha256 for {name}"
     return None
 
 
@@ -365,6 +416,25 @@ def latest_complete(root_dir: str | Path) -> Path | None:
             return path
         warnings.warn(f"{path}: {problem}; skipped, trying an older checkpoint", stacklevel=2)
     return None
+
+
+def resume_point(root_dir: str | Path) -> Path | None:
+    """The newest checkpoint under `root_dir` that verifies; None when there is no checkpoint at all. When there
+    are checkpoints and none verifies, a ValueError names each one and its problem: a resume must stop there,
+    never start over from step 0 (and overwrite the run's history)."""
+    root = Path(root_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = latest_complete(root)
+    for w in caught:  # the skipped ones, re-warned from here
+        warnings.warn(str(w.message), stacklevel=2)
+    found = _step_dirs(root) if root.is_dir() else []
+    if latest is None and found:
+        problems = "; ".join(f"{p.name}: {check_checkpoint(p)}" for _, p in found)
+        raise ValueError(f"{root}: no checkpoint verifies ({problems}); nothing to resume from. Restore a good "
+                         "checkpoint, or start a new run without --resume (with another output_dir, or "
+                         "--overwrite to replace this run)")
+    return latest
 
 
 def load(path: str | Path) -> tuple[dict[str, Any], dict]:

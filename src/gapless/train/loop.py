@@ -7,12 +7,19 @@ model transform, its trainable parameters and what the run saves; everything her
     run_loop    the steps (gapless.train.step), logging windows (gapless.meter.window), checkpoints, evaluation
     finish      the final evaluation, the method's final save, the report and the whole-run record
 
+Around them (train/runlock.py, train/guard.py): the run folder is locked for the call; a folder holding a run is
+refused unless resumed or overwritten; a resume whose config changed refuses, naming the fields; a step whose loss
+or gradient norm is not finite updates nothing and is counted (`nonfinite_steps`; fp16's loss scaler does this
+itself), and `NONFINITE_LIMIT` of them in a row stop the run; no checkpoint or final output is written from
+non-finite weights; SIGTERM/SIGINT end the run after the current step with a checkpoint, ready for --resume.
+
 Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read once per
 `train.log_every` steps (marked SYNC below). Tokens are host integers from the data pipeline; the whole run's
 throughput is the last record of metrics.jsonl: real tokens / wall time from the start of `train` to its end.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,14 +40,16 @@ from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
 from gapless.train.batch_finder import run_with_oom_backoff, split_rows
-from gapless.train.checkpoint import CheckpointManager, capture_rng_state, latest_complete, load, restore_rng_state
+from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
 from gapless.train.compile import frames_not_compiled, not_compiled_message
+from gapless.train.guard import NonFinite, StopSignals, finite
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
 from gapless.train.parallel import Dist, aggregate, full_parameters, init_distributed, loss_divisor
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
+from gapless.train.runlock import RunLock, check_resume, prepare_run_dir, read_saved_config
 from gapless.train.step import loss_sum, train_step
 
 
@@ -107,6 +116,8 @@ class RunResult:
     steady_seconds: dict[str, float] = field(default_factory=dict)  # the timeline's categories in steady_s
     # from the start of the run's clock to the end of its first optimizer step (settled on the GPU): start-up
     first_step_s: float | None = None
+    nonfinite_steps: int = 0  # steps whose loss or gradients were not finite: no update applied (bf16/fp32)
+    stopped: str | None = None  # why the run ended before its last step: a signal's name, "nonfinite", "final_write"
     seconds: dict[str, float] = field(default_factory=dict)  # the timeline's categories at the end
 
     @property
@@ -125,8 +136,19 @@ def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
 
 
 def write_metrics(f, record: dict) -> None:
-    f.write(json.dumps(record) + "\n")
+    """One strict JSON line: a nan or inf number (a diverged loss or grad norm) is written as null."""
+    f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
     f.flush()
+
+
+def _strict(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def open_metrics(path: Path, resumed_step: int):
@@ -167,21 +189,25 @@ class Run:
     peak_flops: float
     masters: MasterWeights  # float32 copies of bf16/fp16 trainable weights (full fine-tuning); `params` are these
     scaler: DynamicLossScaler | None  # fp16's loss scaler; None in bf16/fp32
+    nonfinite: NonFinite  # the guard against NaN/inf steps (gapless.train.guard)
     parallel: Dist = field(default_factory=Dist)  # this rank's place in a torchrun run (gapless.train.parallel)
 
 
 def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Progress, data=None,
           parallel: Dist = Dist()) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
-    from gapless.data.tokenize import build_data
-    from gapless.model.loading import build
+    from gapless.data.pipeline import build_data
+    from gapless.model.loading import build, read_config
     from gapless.train.assemble import assemble
 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if parallel.is_main:
+    if parallel.is_main:  # after train's checks
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
+    # the settings that need the model's config.json, before the model is built or any data is tokenized
+    model_config = read_config(cfg.model.path)
+    cfg.check_model(model_config)
 
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
     method = method_of(cfg)
@@ -206,7 +232,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
         if tokenizing == parallel.is_main:
-            mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir)
+            mix, eval_mix, summary = data if data is not None else build_data(
+                cfg.data, tokenizer_dir, vocab_size=model_config.get("vocab_size"))
         parallel.barrier()
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
@@ -222,7 +249,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_total)
     checkpoints = checkpoint_manager(run_dir / "checkpoints", cfg.checkpoint, parallel, model, optimizer)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
-               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, parallel)
+               sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, NonFinite(device),
+               parallel)
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
@@ -251,12 +279,11 @@ def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[to
     return cfg
 
 
-def resume(run: Run) -> int:
-    """The step after which the newest complete checkpoint continues (0 when there is none)."""
-    root = run.run_dir / "checkpoints"
-    latest = latest_complete(root)
+def resume(run: Run, latest: Path | None) -> int:
+    """The step after which checkpoint `latest` (train's resume_point: the newest that verifies) continues; 0 when
+    the run has no checkpoint at all."""
     if latest is None:
-        run.progress.message(f"resume: no complete checkpoint in {root}; starting from step 0")
+        run.progress.message(f"resume: no checkpoint in {run.run_dir / 'checkpoints'}; starting from step 0")
         return 0
     if is_dcp(latest):  # written by a torchrun run: resharded to this one (gapless.train.dist_checkpoint)
         meta = load_sharded(latest, run.method, run.model, run.optimizer)
@@ -275,14 +302,37 @@ def resume(run: Run) -> int:
     return int(meta["step"])
 
 
-def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | None) -> int:
-    """Optimizer steps from `step` to the end of the run (or `stop_after` steps); returns the last step done."""
+def save_checkpoint(run: Run, step: int, batches: Prefetcher) -> bool:
+    """Checkpoint `step`, unless the trainable weights are not finite (then say so); True when saved."""
+    # SYNC: once per checkpoint (a diverged run must not replace its good checkpoints). Under torchrun each rank
+    # holds its own shards and the save is collective: a rank skipping alone would hang the others, so the check
+    # waits for an all-reduced flag (not built yet)
+    if not run.parallel.active and not finite(run.params):
+        run.progress.message(f"checkpoint step {step} not written: the trainable weights are not finite")
+        return False
+    with run.timeline.phase("checkpoint"):
+        tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
+        meta = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": batches.state,
+                "rng": capture_rng_state()}
+        if run.masters.active:
+            tensors["master"] = run.masters.state_dict()
+        if run.scaler is not None:
+            meta["loss_scale"] = run.scaler.state_dict()  # SYNC: at checkpoint time only
+        run.checkpoints.save(step, tensors, meta)
+    return True
+
+
+def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | None,
+             stop: StopSignals | None = None) -> int:
+    """Optimizer steps from `step` to the end of the run (or `stop_after` steps, or a stop signal); returns the last
+    step done."""
     cfg, timeline, device = run.cfg, run.timeline, run.device
     batches = Prefetcher(run.sampler, device, timeline=timeline)
     monitor = GpuMonitor(run.run_dir / run.parallel.per_rank("gpu.jsonl"), device, t0=timeline.t0)  # each rank its GPU
     run.progress.message(monitor.status)
     k = cfg.train.grad_accum
     window_loss = torch.zeros((), dtype=torch.float32, device=device)  # read every log_every steps
+    skipped_tokens = torch.zeros((), dtype=torch.int64, device=device)  # trained tokens of skipped steps, likewise
     window = ThroughputWindow(run.peak_flops)
     frames_failed_before = frames_not_compiled()
     steps_this_run = 0
@@ -313,7 +363,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 rows = min(rows, ran)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
-            window_loss += loss
+            bad = ~torch.isfinite(grad_norm) if run.scaler is not None else run.nonfinite.add(grad_norm)
+            window_loss += torch.where(bad, 0.0, loss)  # bad: no update was applied (train/guard.py, loss_scale.py)
+            skipped_tokens += bad * sum(b.num_target_tokens for b in micro)
             step += 1
             steps_this_run += 1
             real = sum(b.num_real_tokens for b in micro)
@@ -339,10 +391,15 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             if step % cfg.train.log_every == 0 or step == run.steps_total:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
-                loss_mean = window_loss.item() / max(window.trained, 1)  # SYNC: once per log_every steps
+                # SYNC: once per log_every steps (these reads and NonFinite's)
+                nonfinite, consecutive = run.nonfinite.read()
+                trained_ok = window.trained - int(skipped_tokens.item())
+                loss_mean = window_loss.item() / trained_ok if trained_ok else math.nan  # over the applied steps
                 record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(),
                           **window.record(timeline.summary()["compute"]),
                           "elapsed_s": time.perf_counter() - timeline.t0}
+                if run.scaler is None:
+                    record["nonfinite_steps"] = nonfinite
                 if run.scaler is not None:  # SYNC: read with the loss, once per log_every steps
                     record |= {"loss_scale": run.scaler.scale.item(), "skipped_steps": int(run.scaler.skipped.item())}
                 # several ranks: the loss over all of them, each rank's tokens and times (gapless.train.parallel)
@@ -353,20 +410,27 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 result.losses[step] = loss_mean = record["loss"]
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
                 window_loss.zero_()
+                skipped_tokens.zero_()
                 write_metrics(metrics, timeline.record(step))
                 timeline.end("logging")
                 window.start(timeline.summary()["compute"])
+                if nonfinite:
+                    run.progress.message(f"step {step}: {nonfinite} of the last steps had a loss or gradient that is "
+                                         "not finite; no update was applied for them")
+                if consecutive >= run.nonfinite.limit:
+                    first = step - consecutive + 1
+                    message = (f"the loss or gradients were not finite for {consecutive} steps in a row, from step "
+                               f"{first} to {step}: the run stops (no update was applied for them). Lower optim.lr, "
+                               "check the base weights and the data, then resume from the last checkpoint")
+                    run.progress.message(message)
+                    write_metrics(metrics, {"kind": "stopped", "step": step, "reason": "nonfinite",
+                                            "first_bad_step": first, "message": message})
+                    result.stopped = "nonfinite"
+                    break
 
+            saved = False
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == run.steps_total):
-                with timeline.phase("checkpoint"):
-                    tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
-                    meta = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": batches.state,
-                            "rng": capture_rng_state()}
-                    if run.masters.active:
-                        tensors["master"] = run.masters.state_dict()
-                    if run.scaler is not None:
-                        meta["loss_scale"] = run.scaler.state_dict()  # SYNC: at checkpoint time only
-                    run.checkpoints.save(step, tensors, meta)
+                saved = save_checkpoint(run, step, batches)
 
             if run.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
                     and step < run.steps_total:
@@ -376,9 +440,24 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
                 run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
+            if stop is not None and stop.requested:
+                # preemption or Ctrl-C: this step's checkpoint, on disk before the run ends (bounded: one step and
+                # one checkpoint write)
+                if not saved:
+                    saved = save_checkpoint(run, step, batches)
+                with timeline.phase("checkpoint"):
+                    run.checkpoints.wait()
+                where = f"checkpoint step {step} written" if saved else "no checkpoint written"
+                run.progress.message(f"{stop.requested}: stopped after step {step}, {where}; continue with --resume")
+                write_metrics(metrics, {"kind": "stopped", "step": step, "reason": stop.requested,
+                                        "checkpoint": saved})
+                result.stopped = stop.requested
+                break
+
             if stop_after is not None and steps_this_run >= stop_after:
                 break
     finally:
+        result.nonfinite_steps = run.nonfinite.total
         batches.close()
         with timeline.phase("checkpoint"):
             run.checkpoints.close()  # the last write in flight
@@ -396,7 +475,7 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
     """At the end of the run: the final evaluation and the method's final save. Then, whether the run ended or
     stopped early, the report and the last record, which covers every second of the call."""
     timeline, progress = run.timeline, run.progress
-    if step == run.steps_total:
+    if step == run.steps_total and result.stopped is None:
         if run.eval_batches:
             timeline.settle()
             with timeline.phase("eval"):
@@ -406,12 +485,24 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
         from gapless.model.export import copy_tokenizer_files
 
         final = run.run_dir / run.method.final_name
-        with timeline.phase("checkpoint"), full_parameters(run.model, run.parallel) as whole:  # FSDP2: gathered
-            if run.parallel.is_main:
-                run.method.save_final(whole, final, Path(run.cfg.model.path))
-                copy_tokenizer_files(run.tokenizer_dir, final)
-        result.final_dir = final
-        progress.message(f"{run.method.final_name} written to {final}")
+        # SYNC: once per run; under torchrun left out, as in save_checkpoint (the final save gathers collectively)
+        if not run.parallel.active and not finite(run.params):
+            result.stopped = "nonfinite"
+            progress.message(f"{run.method.final_name} not written: the trainable weights are not finite")
+        else:
+            try:
+                with timeline.phase("checkpoint"), full_parameters(run.model, run.parallel) as whole:  # FSDP2: gathered
+                    if run.parallel.is_main:
+                        run.method.save_final(whole, final, Path(run.cfg.model.path))  # atomic: all or nothing
+                        copy_tokenizer_files(run.tokenizer_dir, final)
+                result.final_dir = final
+                progress.message(f"{run.method.final_name} written to {final}")
+            except OSError as e:  # a full disk: one message, and where the trained weights still are
+                result.stopped = "final_write"
+                latest = sorted((run.run_dir / "checkpoints").glob("step-*"))
+                progress.message(f"{run.method.final_name} not written to {final}: {e.strerror or e}; " + (
+                    f"the trained weights are in {latest[-1]}: free space, then `gapless export {latest[-1]} "
+                    "--out DIR`" if latest else "no checkpoint holds the trained weights (checkpoint.every is 0)"))
     # the report is part of the run: it is written inside the timeline, from metrics.jsonl plus the final
     # record that is written after it (so that record, the last line, covers every second of the call)
     with timeline.phase("logging"):
@@ -427,14 +518,15 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
 
 
 def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
-          started: float | None = None) -> RunResult:
+          started: float | None = None, overwrite: bool = True) -> RunResult:
     """Run `cfg` to its end (or until `stop_after` optimizer steps are done: a simulated crash, or the
     short measured window of `gapless gap`).
 
     `out` receives the human-readable summary lines (stderr by default). `data`: (mix, eval_mix, summary)
     prepared by the caller instead of reading cfg.data's sources (`gapless gap`'s synthetic full rows);
     batching still follows cfg.data. `started`: the time.perf_counter reading the run's clock starts from
-    (`gapless train`: the process start, gapless.meter.timeline.process_start); default now.
+    (`gapless train`: the process start, gapless.meter.timeline.process_start); default now. `overwrite`: replace a
+    run the output folder holds (`gapless train` passes its --overwrite; a finished run is refused without it).
     """
     device = resolve_device(cfg.model.device)
     parallel, device = init_distributed(cfg.parallel, device, cfg.method)  # torchrun's ranks (gapless.train.parallel)
@@ -445,17 +537,33 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main)  # rank 0 alone speaks
     if auto_note:
         progress.message(auto_note)
-    run = setup(cfg, device, timeline, progress, data, parallel)
-    step = resume(run) if cfg.resume else 0
-    result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
-    progress.total = run.steps_total
-    metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
-    try:
-        step = run_loop(run, step, result, metrics, stop_after)
-        finish(run, step, result, metrics)
-    finally:
-        metrics.close()
-        parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
+    cfg.check_output_dir()
+    run_dir = Path(cfg.output_dir)
+    # one run per folder (rank 0 holds the lock; the kernel releases it however this process ends)
+    with RunLock(run_dir) if parallel.is_main else contextlib.nullcontext():
+        if parallel.is_main:
+            prepare_run_dir(run_dir, resume=cfg.resume, overwrite=overwrite)
+        parallel.barrier()
+        changed, latest = {}, None
+        if cfg.resume:  # checked before anything is written or built
+            saved = read_saved_config(run_dir)
+            changed = check_resume(saved, to_dict(cfg)) if saved is not None else {}
+            latest = resume_point(run_dir / "checkpoints")  # raises when checkpoints exist and none verifies
+        run = setup(cfg, device, timeline, progress, data, parallel)
+        step = resume(run, latest) if cfg.resume else 0
+        result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
+        progress.total = run.steps_total
+        metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
+        try:
+            if changed:
+                write_metrics(metrics, {"kind": "resume", "step": step, "changed": {k: list(v) for k, v in
+                                                                                     changed.items()}})
+            with StopSignals() as stop:
+                step = run_loop(run, step, result, metrics, stop_after, stop)
+            finish(run, step, result, metrics)
+        finally:
+            metrics.close()
+            parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
     return result
 
 

@@ -15,6 +15,7 @@ import torch
 
 from gapless.data.batching import Batch
 from gapless.train.loss_scale import DynamicLossScaler
+from gapless.train.guard import step_unless_nonfinite
 from gapless.train.optim import clip_grad_norm
 from gapless.train.parallel import sync_gradients
 
@@ -56,7 +57,7 @@ def train_step(model, micro: Sequence[Batch], params: list[torch.Tensor], optimi
         scaler.unscale_(params)
     grad_norm = clip_grad_norm(params, grad_clip)
     if scaler is None:
-        optimizer.step()
+        step_unless_nonfinite(optimizer, grad_norm)  # a nan/inf loss or gradient updates nothing (train/guard.py)
     else:
         scaler.step(optimizer)  # skipped when found_inf; the scale backs off or grows
     optimizer.zero_grad(set_to_none=True)
