@@ -126,13 +126,19 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
 
     The base weights live once: each layer's `weight` becomes a Parameter viewing its rows of the buffer (same
     state-dict keys and values; load_state_dict and merge_lora read and write them there) and the loaded tensor is
-    freed, so memory grows by the A rows only (r rows per layer in the weights' dtype: 0.3% for Llama-3.2-3B at
-    r=16) plus, while one group is built, one group's copy. A forward pre-hook on `model` copies the float32 master
-    A into the buffer's A rows before every forward, so an optimizer step or a resume is seen by the next forward:
-    7 [16, in] copies per layer, ~2.6 MB of reads and writes per Llama-3.2-3B layer, ~73 MB (~20 us on the H200)
-    per step against its ~450 ms; copying the whole weight would move ~6 GB. Only exactly-LoraLinear layers join
-    (QLoRA's layers keep their own path). Moving the model to another device afterwards (`.to`) would split the
-    views from the buffer: build it on the device it trains on. Not for FSDP2, which shards each weight.
+    freed, so memory grows by the A rows only (r rows per layer in the weights' dtype: 24 MB, 0.4%, for
+    Llama-3.2-3B at r=16) plus, while one group is built, one group's copy (100 MB for its gate/up).
+
+    A forward pre-hook on `model` copies the float32 master A into the buffers' A rows before every forward, in
+    eager, so an optimizer step or a resume is seen by the next forward: 7 [16, in] copies per layer, ~2.6 MB of
+    reads and writes per Llama-3.2-3B layer, ~72 MB (~20 us on the H200) per step against its ~450 ms, where
+    copying the whole weight would move ~6 GB. Not inside the compiled layers: a write into a slice of a graph
+    input is functionalised and may copy the whole buffer.
+
+    Only exactly-LoraLinear layers join (QLoRA's layers keep their own path). `.to()` afterwards would split the
+    views from the buffer: build it on the device it trains on. The buffer is a (non-persistent) module buffer:
+    DDP needs broadcast_buffers=False, or it would send the weights every step; not for FSDP2, which shards each
+    weight.
     """
     pairs = getattr(model, "_lora_concat_rows", [])
     for parent in model.modules():
