@@ -1,6 +1,8 @@
-"""LoRA's linear layer in two forms (LoraConfig.kernel picks one; gapless.config says what each measured):
-lora_linear_reference, the plain formula, one layer at a time; and lora_linear_grouped, the same formula for the
-layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul (the default).
+"""LoRA's linear layer in three forms (LoraConfig.kernel picks one; gapless.config says what each measured):
+lora_linear_reference, the plain formula, one layer at a time; lora_linear_grouped, the same formula for the
+layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul (the default); and
+lora_linear_concat, the frozen projections and the A matrices of those layers as one GEMM over a buffer
+[W_1; ..; W_k; A_1; ..; A_k], forward and for dx, so each activation is read once.
 
     y = x W^T + b + scaling * (dropout(x) A^T) B^T        x [N, in], W [out, in], A [r, in], B [out, r]
 
@@ -11,7 +13,9 @@ move 3x the activation bytes and lose bf16 tensor cores. dA and dB come back in 
 A third form, one autograd.Function adding the update inside the base GEMMs' epilogues (addmm into the base
 output, forward and backward), measured slower in a compiled Llama-3.2-3B step on the H200 (518.7 against 501.2
 ms for the reference, bench/RESULTS.md run 20261203T144848Z-9d4119: torch.compile cannot fuse through it) and was
-removed (issue shape); its measurement stays in bench/RESULTS.md.
+removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_concat differs from it: the B
+matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
+neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
 """
 from __future__ import annotations
 
