@@ -142,6 +142,10 @@ CONFIGS = {
     "qlora_ckpt": Recipe("packed", "varlen", "fused_compiled", checkpoint=True, compile=True, lora_kernel="grouped",
                          method="qlora"),
     "full_best": Recipe("packed", "varlen", "fused_compiled", compile=True, method="full"),
+    # best and best_fa4 with LoRA inside the base GEMMs (lora.kernel "concat", gapless.kernels.lora): one GEMM of x
+    # with [W; A] per group of projections, forward and for dx; the default stays grouped until these measure faster
+    "best_concat": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="concat"),
+    "best_fa4_concat": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="concat"),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),

@@ -36,7 +36,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #   "reference"  the plain formula autograd differentiates, one layer at a time (PEFT's: a mask per projection).
 # ("fused", the update inside the base GEMMs as one autograd.Function, measured slower, 518.7 ms against 501.2,
 # and was removed.)
-LoraKernel = Literal["grouped", "reference"]
+#   "concat"     the frozen projections and the A matrices of the layers that read the same input as ONE GEMM over
+#                [W_1; ..; W_k; A_1; ..; A_k] (forward; dx likewise), so each activation is read once; dropout > 0
+#                runs "grouped". Not yet measured on the H200 (bench configs best_concat, best_fa4_concat).
+LoraKernel = Literal["grouped", "reference", "concat"]
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from gapless.config import LoraConfig, RunConfig
 from gapless.model.export import save_pretrained
 from gapless.model.loading import DTYPES, LoadHook
-from gapless.model.lora import LoraLinear, apply_lora, save_adapter
+from gapless.model.lora import LoraLinear, apply_lora, concat_lora_weights, save_adapter
 from gapless.model.qlora import qlora_load_hook, to_qlora
 
 
@@ -83,7 +83,7 @@ class Lora(Method):
                 layer.lora_A.to_empty(device=device)
                 layer.lora_B.to_empty(device=device)
                 layer.reset_lora_parameters()
-        return model
+        return concat_lora_weights(model)  # lora.kernel "concat": [W; A] buffers, now that the weights exist
 
     @property
     def flops(self) -> dict:
