@@ -71,7 +71,7 @@ def register_train(sub) -> None:
 
 
 def run_train(args) -> int:
-    from gapless.config import load_config
+    from gapless.convert import check_run_paths, load_any
     from gapless.diagnosis.doctor import startup_report
     from gapless.diagnosis.environment import write_environment
     from gapless.meter.timeline import process_start
@@ -80,7 +80,9 @@ def run_train(args) -> int:
 
     started = process_start()
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
-    cfg = load_config(args.config, overrides)  # a bad config fails here, once, not in every rank
+    # a gapless, Axolotl or TRL YAML (gapless.convert); a bad config fails here, once, not in every rank
+    cfg = load_any(args.config, overrides)
+    check_run_paths(cfg)
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
 
@@ -105,6 +107,25 @@ def run_train(args) -> int:
 
         train = record(train)  # the failing rank's traceback goes to torchrun's error file and summary
     train(cfg, started=started)
+    return 0
+
+
+def register_convert(sub) -> None:
+    p = sub.add_parser("convert-config", help="write the gapless config equivalent to an Axolotl or TRL YAML",
+                       description="Detect an Axolotl or TRL SFTConfig-style YAML, print the mapping applied, and "
+                                   "write the equivalent gapless YAML; every setting gapless cannot honour is "
+                                   "named, and nothing is written. (`gapless train` accepts such a file directly.)")
+    p.add_argument("source", metavar="IN", help="the Axolotl or TRL YAML")
+    p.add_argument("--out", required=True, metavar="OUT", help="the gapless YAML to write")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args) -> int:
+    from gapless.convert import write_gapless_yaml
+
+    conv = write_gapless_yaml(args.source, args.out)
+    print(conv.format())
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -144,7 +165,7 @@ def run_demo(args) -> int:
     return 0 if summary["accuracy_after"] > summary["accuracy_before"] else 1
 
 
-COMMANDS += [register_train, register_export, register_demo]
+COMMANDS += [register_train, register_convert, register_export, register_demo]
 
 
 def register_bench(sub) -> None:
@@ -365,7 +386,13 @@ COMMANDS += [register_doctor, register_plan, register_compare_precision]
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # options and KEY=VALUE overrides in any order (`train CONFIG --resume a=b`): argparse stops filling the
+    # positional overrides at the first option, so the ones after it come back unparsed
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not (hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra)):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
