@@ -138,6 +138,19 @@ class CheckpointConfig:
 # dict -> dataclass, with errors that name the field
 
 
+class ConfigError(ValueError):
+    """Every error of a config at once, each a line that names its field."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__(errors[0] if len(errors) == 1 else
+                         f"{len(errors)} errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def _collect(errors: list[str], e: ValueError) -> None:
+    errors.extend(e.errors if isinstance(e, ConfigError) else [str(e)])
+
+
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -179,7 +192,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         item = args[0] if args else Any
-        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        out, errors = [], []
+        for i, v in enumerate(value):
+            try:
+                out.append(_convert(v, item, f"{where}[{i}]"))
+            except ValueError as e:
+                _collect(errors, e)
+        if errors:
+            raise ConfigError(errors)
+        return out
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
@@ -215,18 +236,23 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
         raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        k = unknown[0]
-        hint = difflib.get_close_matches(str(k), list(fields), n=1)
-        raise ValueError(f"{where}.{k}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                         + f" ({cls.__name__} has: {', '.join(fields)})")
+    errors: list[str] = []  # all of them, so one run of the command shows every mistake
+    for k in data:
+        if k not in fields:
+            hint = difflib.get_close_matches(str(k), list(fields), n=1)
+            errors.append(f"{where}.{k}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                          + f" ({cls.__name__} has: {', '.join(fields)})")
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+            try:
+                kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+            except ValueError as e:
+                _collect(errors, e)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{where}.{name}: required field is missing")
+            errors.append(f"{where}.{name}: required field is missing")
+    if errors:
+        raise ConfigError(errors)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if validate is not None:
