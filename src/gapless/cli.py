@@ -222,7 +222,11 @@ def register_report(sub) -> None:
     p = sub.add_parser("report", help="write RUN/report.html: plots, time accounting, GPU findings",
                        description="Read a run folder (config.yaml, metrics.jsonl, gpu.jsonl, gap.json) and write "
                                    "RUN/report.html, one self-contained page with the plots embedded.")
-    p.add_argument("run", metavar="RUN", help="the run folder (its output_dir)")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="the run folder (its output_dir); several: a compare page with their curves overlaid and "
+                        "their config and environment differences")
+    p.add_argument("--out", default="compare.html", metavar="FILE",
+                   help="the compare page of several runs (default compare.html)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to RUN/tensorboard")
     p.add_argument("--wandb", action="store_true",
                    help="also replay the metrics into a Weights & Biases run (files in RUN/wandb; needs wandb)")
@@ -233,9 +237,15 @@ def register_report(sub) -> None:
 
 
 def run_report(args) -> int:
-    from gapless.meter.report import write_report, write_tensorboard
+    from gapless.meter.report import write_compare, write_report, write_tensorboard
     from gapless.meter.wandb_export import export_wandb
 
+    if len(args.runs) > 1:
+        if args.tensorboard or args.wandb:
+            raise ValueError("--tensorboard and --wandb export one run; give one RUN")
+        print(f"wrote {write_compare(args.runs, args.out)}")
+        return 0
+    args.run = args.runs[0]
     print(f"wrote {write_report(args.run)}")
     if args.tensorboard:
         print(f"wrote {write_tensorboard(args.run)}")

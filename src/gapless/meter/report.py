@@ -66,6 +66,7 @@ class Run:
     gpu: list[dict] = field(default_factory=list)
     gap: dict | None = None
     compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
+    environment: list[dict] = field(default_factory=list)  # {"kind": "environment"}: one per session
 
 
 def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
@@ -83,6 +84,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
             run.time.append(r)
         elif r.get("kind") == "compile":
             run.compile.append(r)
+        elif r.get("kind") == "environment":
+            run.environment.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
         elif "loss" in r:
@@ -215,6 +218,13 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _step_axis(ax, run: Run) -> None:
+    """The training plots share one step axis: the same limits on each, from step 0 to the last logged step."""
+    last = run.train[-1]["step"] if run.train else 1
+    ax.set_xlim(0, max(last, 1))
+    ax.set_xlabel("step", fontsize=9)
+
+
 def plot_loss(run: Run) -> bytes:
     fig, (ax,) = _figure()
     ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=COLORS["train"], lw=1.4,
@@ -222,7 +232,7 @@ def plot_loss(run: Run) -> bytes:
     if run.eval:
         ax.plot([r["step"] for r in run.eval], [r["eval_loss"] for r in run.eval], "o-", color=COLORS["eval"],
                 ms=4, lw=1.2, label="eval loss")
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("loss (per trained token)", fontsize=9)
     ax.legend(fontsize=8, frameon=False)
     return _png(fig)
@@ -231,7 +241,7 @@ def plot_loss(run: Run) -> bytes:
 def plot_lr(run: Run) -> bytes:
     fig, (ax,) = _figure()
     ax.plot([r["step"] for r in run.train], [r["lr"] for r in run.train], color=COLORS["train"], lw=1.4)
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("learning rate", fontsize=9)
     ax.yaxis.set_major_formatter(lambda v, _: f"{v:.2e}" if v else "0")
     return _png(fig)
@@ -244,9 +254,25 @@ def plot_tokens_per_s(run: Run, steady: float | None) -> bytes:
     if steady:
         ax.axhline(steady, color=COLORS["base"], ls="--", lw=1, label=f"run: {steady:,.0f}")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("real tokens / s", fontsize=9)
     ax.legend(fontsize=8, frameon=False, loc="lower right")
+    return _png(fig)
+
+
+def plot_grad_norm(run: Run) -> bytes:
+    """The global gradient norm before clipping at each logged step, and the clipping threshold."""
+    fig, (ax,) = _figure()
+    rows = [r for r in run.train if r.get("grad_norm") is not None]
+    ax.plot([r["step"] for r in rows], [r["grad_norm"] for r in rows], color=COLORS["train"], lw=1.4,
+            label="grad norm (before clipping)")
+    clip = (run.config.get("optim") or {}).get("grad_clip")
+    if clip:
+        ax.axhline(clip, color=COLORS["down"], ls="--", lw=1, label=f"optim.grad_clip {clip:g}")
+    ax.set_ylim(bottom=0)
+    _step_axis(ax, run)
+    ax.set_ylabel("L2 norm", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
     return _png(fig)
 
 
@@ -364,6 +390,7 @@ def _config_rows(config: dict) -> list[tuple[str, str]]:
     data = config.get("data") or {}
     sources = ", ".join(str(s.get("name") or s.get("path")) for s in data.get("sources") or [])
     rows = [("model", get("model.path")), ("dtype / device", _join(get("model.dtype"), get("model.device"))),
+            ("ran on", get("environment.device_name")),
             ("method", get("method")),
             ("LoRA r / alpha", _join(get("lora.r"), get("lora.alpha")) if get("method") == "lora" else None),
             ("LoRA kernel", get("lora.kernel") if get("method") == "lora" else None),
@@ -432,6 +459,8 @@ def render(run: Run) -> str:
 
     plots = [_figure_html("Loss", plot_loss(run) if run.train else None, "no training records yet"),
              _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
+             _figure_html("Gradient norm", plot_grad_norm(run) if any("grad_norm" in r for r in run.train) else None,
+                          "no grad_norm in the training records"),
              _figure_html("Throughput (real tokens/s)",
                           plot_tokens_per_s(run, numbers["steady"]) if run.train else None, "no training records yet"),
              _figure_html("GPU utilisation and memory", plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
@@ -451,8 +480,10 @@ def render(run: Run) -> str:
 
     gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap)}" if run.gap else ""
 
+    env = run.environment[-1] if run.environment else {}
     config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
-                          for k, v in _config_rows(run.config)) or "<p class='note'>no config.yaml</p>"
+                          for k, v in _config_rows({**run.config, "environment": env})
+                          ) or "<p class='note'>no config.yaml</p>"
     name = html.escape(run.path.resolve().name)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     sources = ", ".join(["metrics.jsonl"] + ["gpu.jsonl"] * bool(run.gpu) + ["gap.json"] * bool(run.gap))
@@ -488,7 +519,7 @@ def gap_section(gap: dict) -> str:
         value = s["tokens_per_s"]
         rows.append(f'<tr><td>{esc(s["factor"])}</td><td>{esc(s.get("setting", ""))}</td>'
                     f'<td class="n">{value:,.0f}</td><td class="n">{s["delta"]:+,.0f}</td>'
-                    f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(s["fix"])}</td>'
+                    f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(proposed_fix(s))}</td>'
                     f'<td>{esc(s.get("note", ""))}</td></tr>')
     rows.append(f'<tr><th>{esc(gap["final"]["label"])}</th><td></td><th class="n">{value:,.0f}</th>'
                 f'<th class="n">{value - base:+,.0f}</th><th class="n">{100 * value / base:.1f}%</th><td></td>'
@@ -502,9 +533,39 @@ def gap_section(gap: dict) -> str:
             + noise_html)
 
 
+def proposed_fix(step: dict) -> str:
+    """The step's fix, without any alternative that is the value already set (`checkpoint.every: 500` proposed to a
+    run with checkpoint.every 500 asks the user to change nothing)."""
+    setting = _settings(step.get("setting", ""))
+    kept = [alt for alt in step.get("fix", "").split(" or ") if not (_settings(alt) and _settings(alt) <= setting)]
+    if step.get("fix") and not kept:
+        return "none: the proposed value is already set"
+    return " or ".join(kept)
+
+
+def _settings(text: str) -> set[tuple[str, str]]:
+    """`key: value` pairs of a setting or fix text (`a: 1 with b: 2` -> {(a, 1), (b, 2)}); empty for prose."""
+    pairs = set()
+    for part in text.split(" with "):
+        key, sep, value = part.partition(": ")
+        if not sep or " " in key.strip():
+            return set()
+        pairs.add((key.strip(), value.split(" (")[0].strip()))
+    return pairs
+
+
+def gap_title(gap: dict) -> str:
+    """The gap page's title: model, GPU, date and config, as far as gap.json records them."""
+    m = gap.get("measured") or {}
+    parts = [m.get("model") and Path(str(m["model"])).name, m.get("device_name") or m.get("device"),
+             m.get("dtype"), m.get("date"), gap.get("config") and Path(str(gap["config"])).name]
+    return "gapless gap: " + ", ".join(str(p) for p in parts if p) if any(parts) else \
+        f"gapless gap: {gap['baseline']['label']} to {gap['final']['label']}"
+
+
 def write_gap_page(gap: dict, path: Path) -> Path:
     """A self-contained page with the gap's waterfall and table (`gapless gap`'s gap.html)."""
-    title = f"gapless gap: {gap['baseline']['label']} to {gap['final']['label']}"
+    title = gap_title(gap)
     path.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
 <body><main><h1>{html.escape(title)}</h1>{gap_section(gap)}</main></body></html>
@@ -523,6 +584,107 @@ def write_report(run_dir: str | Path, pending: list[dict] = ()) -> Path:
     run = read_run(run_dir, pending)
     out = run.path / "report.html"
     out.write_text(render(run), encoding="utf-8")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# several runs: `gapless report RUN_A RUN_B ...`
+
+RUN_COLORS = ["#2f6db5", "#e07b28", "#3a9a5b", "#c8473d", "#7d5ba6", "#c9a227", "#5d6b78"]
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(items: list[dict]) -> list[tuple[str, list]]:
+    """The keys whose values are not all equal across `items` (flat dicts), with each item's value."""
+    keys = sorted({k for item in items for k in item})
+    return [(k, [item.get(k) for item in items]) for k in keys if len({repr(item.get(k)) for item in items}) > 1]
+
+
+def plot_overlay(runs: list[Run], key: str, ylabel: str, source: str = "train") -> bytes:
+    fig, (ax,) = _figure(width=WIDE / 2)
+    for i, run in enumerate(runs):
+        rows = [r for r in getattr(run, source) if r.get(key) is not None]
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], color=RUN_COLORS[i % len(RUN_COLORS)], lw=1.3,
+                marker="o" if source == "eval" else None, ms=3, label=_label(run, runs))
+    last = max((r["step"] for run in runs for r in run.train), default=1)
+    ax.set_xlim(0, max(last, 1))
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def _label(run: Run, runs: list[Run]) -> str:
+    names = [r.path.resolve().name for r in runs]
+    return run.path.resolve().name if names.count(run.path.resolve().name) == 1 else str(run.path)
+
+
+def render_compare(runs: list[Run]) -> str:
+    """One page: the runs' curves overlaid on the step axis, their headline numbers, and every config and
+    environment setting that differs between them."""
+    labels = [_label(r, runs) for r in runs]
+    head = "".join(f"<th>{html.escape(x)}</th>" for x in labels)
+
+    def row(name: str, values: list[str]) -> str:
+        return f"<tr><td>{html.escape(name)}</td>" + "".join(f'<td class="n">{html.escape(v)}</td>' for v in values) \
+            + "</tr>"
+
+    numbers = [throughput(r) for r in runs]
+    totals = [session_totals(r.time) for r in runs]
+    summary = [row("optimizer steps", [f"{r.train[-1]['step']:,}" if r.train else "-" for r in runs]),
+               row("final train loss", [f"{r.train[-1]['loss']:.4f}" if r.train else "-" for r in runs]),
+               row("final eval loss", [f"{r.eval[-1]['eval_loss']:.4f}" if r.eval else "-" for r in runs]),
+               row("real tokens/s, training", [f"{n['steady']:,.0f}" if n["steady"] else "-" for n in numbers]),
+               row("real tokens/s, end to end", [f"{n['end_to_end']:,.0f}" if n["end_to_end"] else "-"
+                                                 for n in numbers]),
+               row("wall time", [_duration(t["wall"]) if t else "-" for t in totals])]
+
+    def diff_table(items: list[dict], what: str) -> str:
+        diffs = differences(items)
+        if not diffs:
+            return f'<p class="note">no {what} differences</p>'
+        return (f"<table><tr><th>{what}</th>{head}</tr>"
+                + "".join(row(k, ["-" if v is None else str(v) for v in values]) for k, values in diffs) + "</table>")
+
+    env_keys = ("device", "device_name", "device_count", "gapless", "torch", "cuda", "python", "host")
+    envs = [{k: r.environment[-1].get(k) for k in env_keys} if r.environment else {} for r in runs]
+    plots = [_figure_html("Loss", plot_overlay(runs, "loss", "train loss")),
+             _figure_html("Gradient norm", plot_overlay(runs, "grad_norm", "L2 norm")),
+             _figure_html("Throughput (real tokens/s)", plot_overlay(runs, "tokens_per_s", "real tokens / s")),
+             _figure_html("Learning rate", plot_overlay(runs, "lr", "learning rate"))]
+    if any(r.eval for r in runs):
+        plots.append(_figure_html("Eval loss", plot_overlay(runs, "eval_loss", "eval loss", source="eval")))
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gapless compare: {html.escape(' vs '.join(labels))}</title>
+<style>{CSS}</style></head>
+<body><main>
+<h1>gapless compare <span>{html.escape(' vs '.join(labels))}</span></h1>
+<p class="sub">{' &middot; '.join(html.escape(str(r.path.resolve())) for r in runs)} &middot; generated {when}</p>
+<h2>Numbers</h2><table><tr><th></th>{head}</tr>{''.join(summary)}</table>
+<h2>Config differences</h2>{diff_table([flatten(r.config) for r in runs], "config")}
+<h2>Environment differences</h2>{diff_table(envs, "environment")}
+<h2>Training</h2><div class="grid">{''.join(plots)}</div>
+</main></body></html>
+"""
+
+
+def write_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """`gapless report RUN_A RUN_B ... --out FILE`: the compare page, self-contained like report.html."""
+    if len(run_dirs) < 2:
+        raise ValueError("compare: give at least two run folders")
+    out = Path(out)
+    out.write_text(render_compare([read_run(d) for d in run_dirs]), encoding="utf-8")
     return out
 
 
