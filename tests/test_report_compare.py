@@ -56,8 +56,8 @@ def test_compare_needs_two(tmp_path):
 def test_fix_never_the_value_already_set():
     assert proposed_fix({"setting": "checkpoint.every: 500", "fix": "checkpoint.every: 500"}) \
         == "none: the proposed value is already set"
-    assert proposed_fix({"setting": "checkpoint.every: 500",
-                         "fix": "checkpoint.every: 500 or checkpoint.async_write: true"}) == "checkpoint.async_write: true"
+    assert proposed_fix({"setting": "checkpoint.every: 500", "fix": "checkpoint.every: 500 or "
+                         "checkpoint.async_write: true"}) == "checkpoint.async_write: true"
     assert proposed_fix({"setting": "checkpoint.every: 50", "fix": "checkpoint.every: 500"}) == "checkpoint.every: 500"
     assert proposed_fix({"setting": "data.batching: packed",
                          "fix": "none in the config: packed already"}) == "none in the config: packed already"
