@@ -10,17 +10,19 @@ import torch
 from gapless.cli import main
 from gapless.config import load_config
 from gapless.demo import DEMO_ARCH
+from gapless.meter.report import write_report
 from gapless.model.decoder import CausalLM
 from gapless.model.export import save_pretrained
 from gapless.model.loading import model_args_from_config
 from gapless.train.evaluate import final_number, read_problems
 from gapless.train.loop import train
+from conftest import SHARED
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny Llama (hidden 64) with the Llama 3 tokenizer, LoRA-trained 2 steps on 40 GSM8K conversations."""
-    shared_dir = __import__("conftest").SHARED
+    shared_dir = SHARED
     if not shared_dir.is_dir():
         pytest.skip("../shared is not present")
     root = tmp_path_factory.mktemp("eval")
@@ -65,6 +67,8 @@ def test_loss_and_gsm8k_written_to_the_run(trained, shared, tmp_path, capsys):
     loss, em = records[-2], records[-1]
     assert loss["kind"] == "loss" and math.isclose(loss["perplexity"], math.exp(loss["loss"]))
     assert loss["tokens"] > 0 and loss["documents"] == 20
+    page = write_report(run).read_text()  # the report shows the evaluations and the sample generations
+    assert "Evaluations (gapless eval)" in page and "exact match 0/2" in page and "Sample generations" in page
     assert em["total"] == 2 and len(em["samples"]) == 2 and em["samples"][0]["expected"] == \
         final_number(json.loads(gsm8k.read_text().splitlines()[0])["answer"])
 

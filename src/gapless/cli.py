@@ -409,8 +409,13 @@ def _generation_args(p) -> None:
 
 
 def _load_generation(args):
+    from gapless.convert import check_local
     from gapless.model.generate import load_for_generation, stop_ids
 
+    for value, name in ((args.source, "RUN_OR_MODEL"), (args.base, "--base")):
+        error = check_local(value, name, "the model")
+        if error:
+            raise ValueError(error)
     loaded = load_for_generation(args.source, device=args.device, dtype=args.dtype, base=args.base)
     print(f"loaded {loaded.what}", file=sys.stderr)
     return loaded, stop_ids(loaded.tokenizer, loaded.model)

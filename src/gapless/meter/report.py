@@ -67,6 +67,7 @@ class Run:
     gap: dict | None = None
     compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
     environment: list[dict] = field(default_factory=list)  # {"kind": "environment"}: one per session
+    evals: list[dict] = field(default_factory=list)  # eval.json: `gapless eval` records
 
 
 def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
@@ -95,6 +96,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
         run.gpu = load_samples(path / "gpu.jsonl")
     if (path / "gap.json").is_file():
         run.gap = read_gap(path / "gap.json")
+    if (path / "eval.json").is_file():
+        run.evals = json.loads((path / "eval.json").read_text())
     return run
 
 
@@ -479,6 +482,7 @@ def render(run: Run) -> str:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
     gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap)}" if run.gap else ""
+    eval_html = f"<h2>Evaluations (gapless eval)</h2>{eval_section(run.evals)}" if run.evals else ""
 
     env = run.environment[-1] if run.environment else {}
     config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
@@ -497,9 +501,28 @@ def render(run: Run) -> str:
 <h2>Run config</h2><div class="config">{config_html}</div>
 <h2>Training</h2><div class="grid">{''.join(plots)}</div>
 <h2>Time accounting</h2>{time_html}
+{eval_html}
 {gap_html}
 </main></body></html>
 """
+
+
+def eval_section(evals: list[dict]) -> str:
+    """One row per `gapless eval` record, and the sample generations of the newest exact-match one."""
+    rows = []
+    for r in evals:
+        if r["kind"] == "loss":
+            result = f"loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({r['tokens']:,} tokens)"
+        else:
+            result = f"exact match {r['correct']}/{r['total']} = {r['exact_match']:.1%}"
+        rows.append(f"<tr><td>{html.escape(r.get('time', ''))}</td><td>{html.escape(r['data'])}</td>"
+                    f"<td>{html.escape(result)}</td></tr>")
+    samples = next((r["samples"] for r in reversed(evals) if r.get("samples")), [])
+    sample_rows = "".join(f"<tr><td>{html.escape(s['question'])}</td><td>{html.escape(str(s['expected']))}</td>"
+                          f"<td>{html.escape(s['reply'])}</td></tr>" for s in samples)
+    return ("<table><tr><th>when</th><th>data</th><th>result</th></tr>" + "".join(rows) + "</table>"
+            + ("<h3>Sample generations</h3><table><tr><th>prompt</th><th>expected</th><th>reply</th></tr>"
+               + sample_rows + "</table>" if samples else ""))
 
 
 def gap_section(gap: dict) -> str:
