@@ -127,8 +127,8 @@ class Progress:
         return (time.perf_counter() - self.first[1]) / (self.step - self.first[0])
 
     def status(self) -> str:
-        parts = [f"step {self.step}/{self.total}", f"{format_tokens(self.tokens)} tok",
-                 f"{format_duration(self._elapsed())} elapsed"]
+        parts = ([f"step {self.step}/{self.total}", f"{format_tokens(self.tokens)} tok"] if self.total else []) + \
+            [f"{format_duration(self._elapsed())} elapsed"]  # the run's length is known once its data is read
         if self.phase_text is not None:
             parts.append(self.phase_text)
         else:
@@ -146,8 +146,8 @@ class Progress:
 
     def _render(self):
         grid = Table.grid(padding=(0, 1))
-        grid.add_row(ProgressBar(total=max(self.total, 1), completed=self.step, width=24),
-                     Text(self.status()))
+        grid.add_row(ProgressBar(total=max(self.total, 1), completed=self.step, width=16),
+                     Text(self.status(), no_wrap=True, overflow="ellipsis"))  # one line, cut on a narrow terminal
         return grid
 
     def _elapsed(self) -> float:
