@@ -136,7 +136,7 @@ def test_report_embeds_one_png_per_plot(tmp_path):
     assert out == run / "report.html"
     page = out.read_text()
     pngs = images(page)
-    assert len(pngs) == 7 == page.count("<img ")  # loss, lr, grad norm, tokens/s, GPU, time breakdown, gap waterfall
+    assert len(pngs) == 6 == page.count("<img ")  # loss, lr, grad norm, tokens/s, GPU, gap waterfall
     for png in pngs:
         assert_png(png)
     # self-contained: every src/href is a data URI, no script, no stylesheet link, no web address
@@ -172,7 +172,7 @@ def test_report_without_gpu_and_gap(tmp_path):
     run = make_run(tmp_path / "run", steps=40, gpu=False, gap=False, mfu=False)
     page = write_report(run).read_text()
     pngs = images(page)
-    assert len(pngs) == 5 == page.count("<img ")  # loss, lr, grad norm, tokens/s, time breakdown
+    assert len(pngs) == 4 == page.count("<img ")  # loss, lr, grad norm, tokens/s
     for png in pngs:
         assert_png(png)
     text = re.sub(r"<img [^>]*>", "", page)  # base64 can spell anything
@@ -194,7 +194,7 @@ def test_resumed_run_adds_sessions(tmp_path):
     assert "over 2 sessions (resumed)" in page
     r = read_run(run)
     assert len(r.train) == 4 and len(r.time) == len([x for x in first + second if x.get("kind") == "time"])
-    assert len(images(page)) == 6
+    assert len(images(page)) == 5
 
 
 def test_gap_json_is_checked(tmp_path):

@@ -297,21 +297,6 @@ def plot_gpu(samples: list[dict]) -> bytes:
     return _png(fig)
 
 
-def plot_time(totals: dict[str, float]) -> bytes:
-    fig, (ax,) = _figure(height=3.0, width=WIDE)
-    wall = max(totals["wall"], 1e-9)
-    cats = list(reversed(CATEGORIES))  # startup on top
-    values = [totals[c] for c in cats]
-    ax.barh([LABELS[c] for c in cats], values, color=[CATEGORY_COLORS[c] for c in cats], height=0.65)
-    for i, v in enumerate(values):
-        ax.text(v + wall * 0.01, i, f"{v:,.1f} s  ({100 * v / wall:.1f}%)", va="center", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.28 if max(values) > 0 else 1)
-    ax.set_xlabel(f"seconds (wall {wall:,.1f} s)", fontsize=9)
-    ax.tick_params(axis="y", labelsize=9)
-    ax.grid(False, axis="y")
-    return _png(fig)
-
-
 def plot_gap(gap: dict) -> bytes:
     """The waterfall: the baseline bar, one floating bar per measured step (its delta) and the final bar."""
     steps = [s for s in gap["steps"] if "skipped" not in s]
@@ -369,6 +354,7 @@ figure img{width:100%;height:auto;display:block}figcaption{font-size:13px;font-w
 .finding{background:#fff;border:1px solid #dde1e6;border-left:4px solid #c8473d;border-radius:4px;padding:8px 12px;
 margin-bottom:8px}.finding b{display:block}.finding .e,.finding .f{font-size:13px}.finding .f{color:#2f5f3a}
 .ok{border-left-color:#3a9a5b}
+table.time{width:100%;border:0}td.bar{width:55%}td.bar span{display:block;height:12px;min-width:2px;border-radius:2px}
 """
 
 
@@ -428,8 +414,34 @@ def _card(value: str, key: str) -> str:
     return f'<div class="card"><div class="v">{html.escape(value)}</div><div class="k">{html.escape(key)}</div></div>'
 
 
-def render(run: Run) -> str:
-    """The report page of `run` as one HTML string."""
+def plots_of(run: Run) -> dict[str, bytes | None]:
+    """The report's plots, the slow part of writing it (matplotlib: ~1 s for a 400-step run on a small CPU). They
+    read the training, GPU and gap records only, so the loop draws them before its last record and writes the page
+    around them after it, in milliseconds: the page then prints the last record's numbers, and that record still
+    holds the run's every second."""
+    grad_norms = any("grad_norm" in r for r in run.train)
+    return {"loss": plot_loss(run) if run.train else None, "lr": plot_lr(run) if run.train else None,
+            "grad_norm": plot_grad_norm(run) if grad_norms else None,
+            "tokens_per_s": plot_tokens_per_s(run, throughput(run)["steady"]) if run.train else None,
+            "gpu": plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
+            "gap": plot_gap(run.gap) if run.gap else None}
+
+
+def time_bars(totals: dict[str, float], title: str) -> str:
+    """The time accounting as a table with a bar per category (HTML, no plot: a share of 0.1% still shows)."""
+    wall = max(totals["wall"], 1e-9)
+    rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
+                   f'<td class="n">{100 * totals[c] / wall:.1f}%</td><td class="bar"><span style="width:'
+                   f'{100 * totals[c] / wall:.2f}%;background:{CATEGORY_COLORS[c]}"></span></td></tr>'
+                   for c in CATEGORIES)
+    return (f'<figure><figcaption>{html.escape(title)}</figcaption><table class="time"><tr><th>category</th>'
+            f'<th>seconds</th><th>share</th><th></th></tr>{rows}<tr><th>wall</th><th class="n">{totals["wall"]:,.1f}'
+            '</th><th class="n">100%</th><th></th></tr></table></figure>')
+
+
+def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
+    """The report page of `run` as one HTML string (`plots`: plots_of(run), drawn earlier)."""
+    plots = plots if plots is not None else plots_of(run)
     numbers = throughput(run)
     totals = session_totals(run.time)
     last = run.train[-1] if run.train else {}
@@ -460,28 +472,21 @@ def render(run: Run) -> str:
     if monitor_note:
         finding_html += f'<p class="note">{html.escape(monitor_note.strip())}</p>'
 
-    plots = [_figure_html("Loss", plot_loss(run) if run.train else None, "no training records yet"),
-             _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
-             _figure_html("Gradient norm", plot_grad_norm(run) if any("grad_norm" in r for r in run.train) else None,
-                          "no grad_norm in the training records"),
-             _figure_html("Throughput (real tokens/s)",
-                          plot_tokens_per_s(run, numbers["steady"]) if run.train else None, "no training records yet"),
-             _figure_html("GPU utilisation and memory", plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
-                          "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
+    none = "no training records yet"
+    figures = [_figure_html("Loss", plots["loss"], none), _figure_html("Learning rate", plots["lr"], none),
+               _figure_html("Gradient norm", plots["grad_norm"], "no grad_norm in the training records"),
+               _figure_html("Throughput (real tokens/s)", plots["tokens_per_s"], none),
+               _figure_html("GPU utilisation and memory", plots["gpu"],
+                            "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
 
     if totals:
-        wall = max(totals["wall"], 1e-9)
-        rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
-                       f'<td class="n">{100 * totals[c] / wall:.1f}%</td></tr>' for c in CATEGORIES)
         sessions = len({r["started"] for r in run.time})
         resumed = f" over {sessions} sessions (resumed)" if sessions > 1 else ""
-        time_html = (_figure_html(f"Where the time went{resumed}", plot_time(totals))
-                     + f'<table style="margin-top:10px"><tr><th>category</th><th>seconds</th><th>share</th></tr>{rows}'
-                     f'<tr><th>wall</th><th class="n">{totals["wall"]:,.1f}</th><th class="n">100%</th></tr></table>')
+        time_html = time_bars(totals, f"Where the time went{resumed}")
     else:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
-    gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap)}" if run.gap else ""
+    gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap, plots['gap'])}" if run.gap else ""
     eval_html = f"<h2>Evaluations (gapless eval)</h2>{eval_section(run.evals)}" if run.evals else ""
 
     env = run.environment[-1] if run.environment else {}
@@ -499,7 +504,7 @@ def render(run: Run) -> str:
 <div class="cards">{''.join(cards)}</div>
 <h2>Findings</h2>{finding_html}
 <h2>Run config</h2><div class="config">{config_html}</div>
-<h2>Training</h2><div class="grid">{''.join(plots)}</div>
+<h2>Training</h2><div class="grid">{''.join(figures)}</div>
 <h2>Time accounting</h2>{time_html}
 {eval_html}
 {gap_html}
@@ -525,8 +530,9 @@ def eval_section(evals: list[dict]) -> str:
                + sample_rows + "</table>" if samples else ""))
 
 
-def gap_section(gap: dict) -> str:
-    """The waterfall and its table, one row per step (skipped ones with their reason)."""
+def gap_section(gap: dict, png: bytes | None = None) -> str:
+    """The waterfall (`png`: plot_gap(gap), drawn earlier) and its table, one row per step (skipped ones with their
+    reason)."""
     base = gap["baseline"]["tokens_per_s"]
 
     def esc(value) -> str:
@@ -550,7 +556,7 @@ def gap_section(gap: dict) -> str:
     noise = (gap.get("measured") or {}).get("noise")  # `gapless gap`: two windows of the baseline's conditions
     noise_html = ("" if noise is None else f'<p class="sub">noise: two windows of {esc(gap["baseline"]["label"])} '
                   f'differ by {100 * noise:.1f}%; changes within it are not costs</p>')
-    return (_figure_html("Throughput gap, factor by factor", plot_gap(gap))
+    return (_figure_html("Throughput gap, factor by factor", png if png is not None else plot_gap(gap))
             + '<table style="margin-top:10px"><tr><th>factor</th><th>setting</th><th>tokens/s</th><th>change</th>'
             f'<th>of {esc(gap["baseline"]["label"])}</th><th>fix</th><th>how measured</th></tr>{"".join(rows)}</table>'
             + noise_html)
@@ -602,11 +608,11 @@ def _duration(seconds: float) -> str:
     return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s"
 
 
-def write_report(run_dir: str | Path, pending: list[dict] = ()) -> Path:
-    """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run)."""
+def write_report(run_dir: str | Path, pending: list[dict] = (), plots: dict | None = None) -> Path:
+    """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run; `plots`: plots_of)."""
     run = read_run(run_dir, pending)
     out = run.path / "report.html"
-    out.write_text(render(run), encoding="utf-8")
+    out.write_text(render(run, plots), encoding="utf-8")
     return out
 
 
