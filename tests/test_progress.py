@@ -74,6 +74,15 @@ def test_warnings_once_through_one_channel():
                                            "warning: another"]
 
 
+def test_an_error_filter_still_raises():
+    p = Progress(1, stream=io.StringIO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning):
+            with p.route_warnings():
+                warnings.warn("raised")
+
+
 def test_routed_warnings_still_reach_a_recorder():
     p = Progress(1, stream=io.StringIO())
     with pytest.warns(UserWarning, match="seen by pytest"):

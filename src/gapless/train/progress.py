@@ -103,8 +103,9 @@ class Progress:
     def route_warnings(self):
         """Python warnings raised inside go to `warn`."""
         with warnings.catch_warnings():
+            # the filters stay the caller's (an "error" filter still raises); `warn` keeps each distinct message
+            # once, also when two places raise the same text
             previous = warnings.showwarning
-            warnings.simplefilter("always")  # `warn` keeps each distinct message once, wherever it comes from
 
             def show(message, category, filename, lineno, file=None, line=None):
                 self.warn(str(message))
