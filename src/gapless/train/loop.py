@@ -98,7 +98,7 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss of that logged step
     final_dir: Path | None = None
     real_tokens: int = 0  # of every step this call ran
-    wall_s: float = 0.0  # from the start of `train` to its last record (the report is written after it)
+    wall_s: float = 0.0  # from the start of `train` to its last record (the report's plots in, its page after: ms)
     tokens_per_s: float = 0.0  # real_tokens / wall_s
     # the steady part: the steps after the warm-up step (which compiles), from its end to the end of the loop
     # (the GPU settled, the last checkpoint write waited for); what `gapless gap` compares
