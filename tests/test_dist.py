@@ -194,7 +194,7 @@ def test_rows_are_dealt_balanced_by_real_tokens():
 def test_sharded_stream_is_the_global_stream(base):
     """Every rank's rows of each global batch are disjoint, together the 1-process batch; the spread is reported;
     the sampler state is the global one at every world size."""
-    from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
 
     cfg = load_config(data=raw_config(base, "x")["raw"])
     mix, _, _ = build_data(cfg.data, Path(cfg.model.path))

@@ -136,14 +136,14 @@ def test_report_embeds_one_png_per_plot(tmp_path):
     assert out == run / "report.html"
     page = out.read_text()
     pngs = images(page)
-    assert len(pngs) == 6 == page.count("<img ")  # loss, lr, tokens/s, GPU, time breakdown, gap waterfall
+    assert len(pngs) == 6 == page.count("<img ")  # loss, lr, grad norm, tokens/s, GPU, gap waterfall
     for png in pngs:
         assert_png(png)
     # self-contained: every src/href is a data URI, no script, no stylesheet link, no web address
     assert all(u.startswith("data:") for u in re.findall(r'(?:src|href)="([^"]*)"', page))
     text = re.sub(r"<img [^>]*>", "", page)
     assert "<script" not in text and "<link" not in text and "http" not in text
-    for caption in ("Loss", "Learning rate", "Throughput (real tokens/s)", "GPU utilisation and memory",
+    for caption in ("Loss", "Learning rate", "Gradient norm", "Throughput (real tokens/s)", "GPU utilisation and memory",
                     "Where the time went", "Throughput gap, factor by factor"):
         assert f"<figcaption>{caption}</figcaption>" in page
 
@@ -172,7 +172,7 @@ def test_report_without_gpu_and_gap(tmp_path):
     run = make_run(tmp_path / "run", steps=40, gpu=False, gap=False, mfu=False)
     page = write_report(run).read_text()
     pngs = images(page)
-    assert len(pngs) == 4 == page.count("<img ")
+    assert len(pngs) == 4 == page.count("<img ")  # loss, lr, grad norm, tokens/s
     for png in pngs:
         assert_png(png)
     text = re.sub(r"<img [^>]*>", "", page)  # base64 can spell anything

@@ -104,7 +104,7 @@ def test_report_write_is_atomic_and_escapes(tmp_path, monkeypatch):
     assert "<script" not in page.lower() and "<img src=x" not in page  # the plots are <img src="data:...
     assert "&lt;script&gt;" in page  # shown, escaped
 
-    def broken(r):
+    def broken(*args):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "render", broken)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from gapless import __version__
 
@@ -74,7 +75,7 @@ def register_train(sub) -> None:
 
 
 def run_train(args) -> int:
-    from gapless.config import load_config
+    from gapless.convert import check_run_paths, load_any
     from gapless.diagnosis.doctor import startup_report
     from gapless.diagnosis.environment import write_environment
     from gapless.meter.timeline import process_start
@@ -86,7 +87,9 @@ def run_train(args) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     if not launched_by_torchrun():  # ranks get the launcher's output_dir (a time in its name would differ by rank)
         overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
-    cfg = load_config(args.config, overrides)  # a bad config fails here, once, not in every rank
+    # a gapless, Axolotl or TRL YAML (gapless.convert); a bad config fails here, once, not in every rank
+    cfg = load_any(args.config, overrides)
+    check_run_paths(cfg)
     cfg.check_output_dir()  # before environment.json is written into it
     if args.dry_run:
         from gapless.meter.memory import dry_run_report
@@ -113,6 +116,25 @@ def run_train(args) -> int:
         train = record(train)  # the failing rank's traceback goes to torchrun's error file and summary
     result = train(cfg, started=started, overwrite=args.overwrite)
     return 1 if result.stopped in ("nonfinite", "final_write") else 0  # a signal's stop is ready for --resume
+
+
+def register_convert(sub) -> None:
+    p = sub.add_parser("convert-config", help="write the gapless config equivalent to an Axolotl or TRL YAML",
+                       description="Detect an Axolotl or TRL SFTConfig-style YAML, print the mapping applied, and "
+                                   "write the equivalent gapless YAML; every setting gapless cannot honour is "
+                                   "named, and nothing is written. (`gapless train` accepts such a file directly.)")
+    p.add_argument("source", metavar="IN", help="the Axolotl or TRL YAML")
+    p.add_argument("--out", required=True, metavar="OUT", help="the gapless YAML to write")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args) -> int:
+    from gapless.convert import write_gapless_yaml
+
+    conv = write_gapless_yaml(args.source, args.out)
+    print(conv.format())
+    print(f"wrote {args.out}")
+    return 0
 
 
 def register_export(sub) -> None:
@@ -151,7 +173,7 @@ def run_demo(args) -> int:
     return 0 if summary["accuracy_after"] > summary["accuracy_before"] else 1
 
 
-COMMANDS += [register_train, register_export, register_demo]
+COMMANDS += [register_train, register_convert, register_export, register_demo]
 
 
 def register_bench(sub) -> None:
@@ -208,7 +230,11 @@ def register_report(sub) -> None:
     p = sub.add_parser("report", help="write RUN/report.html: plots, time accounting, GPU findings",
                        description="Read a run folder (config.yaml, metrics.jsonl, gpu.jsonl, gap.json) and write "
                                    "RUN/report.html, one self-contained page with the plots embedded.")
-    p.add_argument("run", metavar="RUN", help="the run folder (its output_dir)")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="the run folder (its output_dir); several: a compare page with their curves overlaid and "
+                        "their config and environment differences")
+    p.add_argument("--out", default="compare.html", metavar="FILE",
+                   help="the compare page of several runs (default compare.html)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to RUN/tensorboard")
     p.add_argument("--wandb", action="store_true",
                    help="also replay the metrics into a Weights & Biases run (files in RUN/wandb; needs wandb)")
@@ -219,9 +245,15 @@ def register_report(sub) -> None:
 
 
 def run_report(args) -> int:
-    from gapless.meter.report import write_report, write_tensorboard
+    from gapless.meter.report import write_compare, write_report, write_tensorboard
     from gapless.meter.wandb_export import export_wandb
 
+    if len(args.runs) > 1:
+        if args.tensorboard or args.wandb:
+            raise ValueError("--tensorboard and --wandb export one run; give one RUN")
+        print(f"wrote {write_compare(args.runs, args.out)}")
+        return 0
+    args.run = args.runs[0]
     print(f"wrote {write_report(args.run)}")
     if args.tensorboard:
         print(f"wrote {write_tensorboard(args.run)}")
@@ -370,9 +402,146 @@ def run_compare_precision(args) -> int:
 COMMANDS += [register_doctor, register_plan, register_compare_precision]
 
 
+def _generation_args(p) -> None:
+    p.add_argument("source", metavar="RUN_OR_MODEL",
+                   help="a run folder (its adapter on its base), an adapter folder, or a model folder (base or merged)")
+    p.add_argument("--base", metavar="DIR", help="the base model under an adapter (default: the one it names)")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: random)")
+    p.add_argument("--system", default=None, help="a system message before the user's")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+
+
+def _load_generation(args):
+    from gapless.convert import check_local
+    from gapless.model.generate import load_for_generation, stop_ids
+
+    for value, name in ((args.source, "RUN_OR_MODEL"), (args.base, "--base")):
+        error = check_local(value, name, "the model")
+        if error:
+            raise ValueError(error)
+    loaded = load_for_generation(args.source, device=args.device, dtype=args.dtype, base=args.base)
+    print(f"loaded {loaded.what}", file=sys.stderr)
+    return loaded, stop_ids(loaded.tokenizer, loaded.model)
+
+
+def _reply(args, loaded, stop, messages: list[dict], raw: bool = False):
+    from gapless.model.generate import decode, encode_chat, generate_ids
+
+    prompt = encode_chat(loaded.tokenizer, messages, raw=raw)
+    gen = generate_ids(loaded.model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, stop=stop, seed=args.seed)
+    return decode(loaded.tokenizer, gen), gen
+
+
+def _stats(gen) -> str:
+    return (f"[{gen.prompt_tokens} prompt tokens in {gen.prefill_s:.2f} s; {len(gen.tokens)} new tokens, "
+            f"{gen.tokens_per_s:,.1f} tokens/s; stopped at {gen.stopped}]")
+
+
+def register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a run's model (chat template, KV cache)",
+                       description="Load a run's adapter on its base (or a base or merged model folder), put the "
+                                   "prompt through the chat template and decode with a KV cache: greedy by default, "
+                                   "sampled with --temperature/--top-p; stops at the end of the turn. Prints the "
+                                   "reply, then the token counts and tokens/s on stderr.")
+    _generation_args(p)
+    p.add_argument("--prompt", required=True, action="append", help="the user's message (repeat for several)")
+    p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    loaded, stop = _load_generation(args)
+    for prompt in args.prompt:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        text, gen = _reply(args, loaded, stop, messages, raw=args.raw)
+        print(text)
+        print(_stats(gen), file=sys.stderr)
+    return 0
+
+
+def register_chat(sub) -> None:
+    p = sub.add_parser("chat", help="talk to a run's model in the terminal",
+                       description="An interactive chat with a run's model (as `gapless generate`, keeping the "
+                                   "conversation). An empty line or /exit ends it, /reset starts over.")
+    _generation_args(p)
+    p.set_defaults(func=run_chat)
+
+
+def run_chat(args) -> int:
+    loaded, stop = _load_generation(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print("chat: an empty line or /exit ends, /reset starts over", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if line.strip() in ("", "/exit"):
+            break
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        text, gen = _reply(args, loaded, stop, messages)
+        messages.append({"role": "assistant", "content": text})
+        print(f"model> {text}")
+        print(_stats(gen), file=sys.stderr)
+    return 0
+
+
+def register_eval(sub) -> None:
+    p = sub.add_parser("eval", help="loss and perplexity on held-out data; GSM8K exact match",
+                       description="Evaluate a run's model (its adapter on its base): the mean loss and perplexity "
+                                   "over the trained tokens of --data, read, templated, masked and batched exactly as "
+                                   "the run's data config does; and with --gsm8k, exact match of the `#### N` answer "
+                                   "by greedy generation. Results go to RUN/eval.json and the console.")
+    p.add_argument("run", metavar="RUN", help="the run folder")
+    p.add_argument("--data", action="append", default=[], metavar="PATH",
+                   help="held-out data (a file, glob or folder; repeat for several)")
+    p.add_argument("--gsm8k", metavar="FILE", help="GSM8K-style records ({question, answer} with `#### N`)")
+    p.add_argument("--limit", type=int, default=50, metavar="N", help="GSM8K problems to try (default 50)")
+    p.add_argument("--max-new-tokens", type=int, default=320, metavar="N", help="per GSM8K answer (default 320)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args) -> int:
+    from gapless.train.evaluate import evaluate_run
+
+    if not args.data and not args.gsm8k:
+        raise ValueError("eval: give --data PATH (loss, perplexity) and/or --gsm8k FILE (exact match)")
+    results = evaluate_run(args.run, data=args.data, gsm8k=args.gsm8k, limit=args.limit,
+                           max_new_tokens=args.max_new_tokens, device=args.device)
+    for r in results:
+        if r["kind"] == "loss":
+            print(f"{r['data']}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} over "
+                  f"{r['tokens']:,} trained tokens of {r['documents']:,} documents")
+        else:
+            print(f"{r['data']}: exact match {r['correct']}/{r['total']} = {r['exact_match']:.1%} "
+                  f"({r['tokens_per_s']:,.1f} tokens/s)")
+    print(f"wrote {Path(args.run) / 'eval.json'}")
+    return 0
+
+
+COMMANDS += [register_generate, register_chat, register_eval]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # options and KEY=VALUE overrides in any order (`train CONFIG --resume a=b`): argparse stops filling the
+    # positional overrides at the first option, so the ones after it come back unparsed
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not (hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra)):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

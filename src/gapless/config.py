@@ -44,13 +44,13 @@ LoraKernel = Literal["grouped", "reference", "concat"]
 
 @dataclass
 class LoraConfig:
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    r: int = 16  # the rank of each adapter (A: r x in, B: out x r)
+    alpha: float = 32.0  # the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)
+    dropout: float = 0.0  # dropout on the adapter's input in training; > 0 runs the per-layer formula
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "grouped"
+    kernel: LoraKernel = "grouped"  # how a LoRA layer runs: grouped, reference or fused (see LoraKernel)
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:
@@ -79,10 +79,10 @@ class LoraConfig:
 @dataclass
 class OptimConfig:
     """AdamW. Weight decay applies to 2-D and larger parameters only (LoRA A/B included)."""
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: float = 2e-4  # the peak learning rate (after warmup)
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (beta1, beta2)
+    eps: float = 1e-8  # Adam's epsilon
     # None: the fused kernel on CUDA, torch's default (foreach) elsewhere; true/false forces it
     fused: bool | None = None
     # max global L2 norm of the gradients; 0 = no clipping (the norm is still computed and logged)
@@ -107,10 +107,11 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     """Linear warmup to the peak lr, then `kind` decay to min_lr_ratio * peak at the last step."""
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    kind: Literal["cosine", "linear", "constant"] = "cosine"  # the decay after warmup
     # set at most one of the two; warmup_ratio is a fraction of the run's total optimizer steps
     warmup_steps: int = 0
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # warmup as a fraction of the run's optimizer steps (see warmup_steps)
+    # the lr at the last step, as a fraction of the peak
     min_lr_ratio: float = 0.0
 
     def validate(self, where: str = "schedule") -> None:
@@ -147,6 +148,19 @@ class CheckpointConfig:
 
 # ---------------------------------------------------------------------------------------------
 # dict -> dataclass, with errors that name the field
+
+
+class ConfigError(ValueError):
+    """Every error of a config at once, each a line that names its field."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__(errors[0] if len(errors) == 1 else
+                         f"{len(errors)} errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def _collect(errors: list[str], e: ValueError) -> None:
+    errors.extend(e.errors if isinstance(e, ConfigError) else [str(e)])
 
 
 def _type_name(tp: Any) -> str:
@@ -190,7 +204,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         item = args[0] if args else Any
-        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        out, errors = [], []
+        for i, v in enumerate(value):
+            try:
+                out.append(_convert(v, item, f"{where}[{i}]"))
+            except ValueError as e:
+                _collect(errors, e)
+        if errors:
+            raise ConfigError(errors)
+        return out
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
@@ -226,18 +248,23 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
         raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        k = unknown[0]
-        hint = difflib.get_close_matches(str(k), list(fields), n=1)
-        raise ValueError(f"{where}.{k}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                         + f" ({cls.__name__} has: {', '.join(fields)})")
+    errors: list[str] = []  # all of them, so one run of the command shows every mistake
+    for k in data:
+        if k not in fields:
+            hint = difflib.get_close_matches(str(k), list(fields), n=1)
+            errors.append(f"{where}.{k}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                          + f" ({cls.__name__} has: {', '.join(fields)})")
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+            try:
+                kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+            except ValueError as e:
+                _collect(errors, e)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{where}.{name}: required field is missing")
+            errors.append(f"{where}.{name}: required field is missing")
+    if errors:
+        raise ConfigError(errors)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if validate is not None:
@@ -331,6 +358,7 @@ class SourceConfig:
     # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
     # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow; relative paths are from the cwd
     path: str
+    # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
@@ -338,7 +366,7 @@ class SourceConfig:
     # (0.5 = a seeded half, 2 = twice); `weight` = this source's share of the documents of all weighted
     # sources, whose total count is kept. Neither = epochs 1.
     weight: float | None = None
-    epochs: float | None = None
+    epochs: float | None = None  # passes over this source per pass over the mix (see above)
     name: str | None = None  # shown in the summary; defaults to the path
 
     def validate(self, where: str = "source") -> None:
@@ -367,23 +395,25 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     # held-out data: either separate sources or a seeded fraction of every source's records
     eval_sources: list[SourceConfig] = field(default_factory=list)
-    eval_fraction: float = 0.0
+    eval_fraction: float = 0.0  # the seeded fraction of every source's records held out (0 = none)
     tokenizer: str | None = None  # an HF tokenizer folder; defaults to the model folder
     chat_template: str | None = None  # inline Jinja or a path to a .jinja file; defaults to the tokenizer's
-    max_seq_len: int = 4096
-    train_on: Literal["assistant", "all", "last_assistant"] = "assistant"
+    max_seq_len: int = 4096  # tokens per document at most (see overlong), and the packed row length
+    train_on: Literal["assistant", "all", "last_assistant"] = "assistant"  # which tokens the loss counts
     overlong: Literal["truncate", "drop", "split"] = "truncate"  # split: plain text only
-    on_error: Literal["raise", "skip"] = "raise"
+    on_error: Literal["raise", "skip"] = "raise"  # a bad record: stop with file:line, or skip and count it
+    # packed: documents share rows, isolated by cu_seqlens; padded: one per row, padded to the batch's longest;
+    # length_grouped: padded, in batches of similar lengths; pad_to_max: padded to max_seq_len
     batching: Literal["packed", "padded", "length_grouped", "pad_to_max"] = "packed"
-    pack_algorithm: Literal["best_fit", "first_fit"] = "best_fit"
+    pack_algorithm: Literal["best_fit", "first_fit"] = "best_fit"  # how documents are placed into packed rows
     # packed: tokens_per_batch // max_seq_len rows of max_seq_len slots each;
     # padded strategies: as many documents as fit in tokens_per_batch slots after padding;
     # auto (gapless train on a GPU): the batch finder's choice, ~90% of free memory less 10% (train/batch_finder.py)
     tokens_per_batch: int | Literal["auto"] = 16384
-    pad_to_multiple_of: int = 8
-    cache_dir: str = "~/.cache/gapless/data"
+    pad_to_multiple_of: int = 8  # padded rows' length is rounded up to this (tensor-core friendly shapes)
+    cache_dir: str = "~/.cache/gapless/data"  # tokenized data, keyed by the files and settings that made it
     num_workers: int | None = None  # tokenizer processes; None = the CPU count, 0 = in this process
-    seed: int = 0
+    seed: int = 0  # the shuffle, the eval_fraction split and the epochs/weight sampling
 
     def validate(self, where: str = "data") -> None:
         if not self.sources:
@@ -413,7 +443,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str  # an HF checkpoint folder: config.json + safetensors (sharded or not)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # the base weights' and activations' dtype
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
     # attention backend: auto (varlen on a CUDA GPU of compute capability 8.0+ in bf16/fp16 with packed rows,
     # sdpa elsewhere: kernels.attention.auto_backend), sdpa (plain PyTorch, runs anywhere), varlen (torch
@@ -447,11 +477,11 @@ class ModelConfig:
 class TrainConfig:
     # length of the run in optimizer steps; 0 = `epochs` passes over the training data
     steps: int = 0
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over the training data when steps is 0
     grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # optimizer steps between metric reads (the only host sync of the loop)
     eval_every: int = 0  # optimizer steps between evaluations on the held-out split; 0 = only at the end
-    seed: int = 0
+    seed: int = 0  # the model's initialisation of adapters and dropout masks
 
     def validate(self, where: str = "train") -> None:
         if self.steps < 0:
@@ -499,7 +529,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    output_dir: str = "runs/run"
+    output_dir: str = "runs/run"  # the run folder: config.yaml, metrics.jsonl, checkpoints/, report.html, adapter/
     resume: bool = False  # continue from the newest complete checkpoint in output_dir
     progress: bool = True  # a progress bar on a terminal, log lines otherwise
 

@@ -599,10 +599,7 @@ def startup_report(cfg: RunConfig, env: dict | None = None) -> str:
 
 def build_run_data(cfg: RunConfig):
     """(train mix, eval mix, summary) exactly as a run builds them (through the token cache)."""
-    try:
-        from gapless.data.pipeline import build_data  # where the data pipeline is moving
-    except ImportError:
-        from gapless.data.tokenize import build_data
+    from gapless.data.pipeline import build_data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the summary's warnings are in the summary
         return build_data(cfg.data, Path(cfg.data.tokenizer or cfg.model.path))

@@ -57,6 +57,7 @@ import copy
 import json
 import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -379,6 +380,8 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                                  f"per step, no checkpoints, no evaluation, data ready, {base.model.dtype}"},
             "steps": waterfall(stages.rows, stages.advertised, max(NOISE, noise)), "final": {"label": "your run"},
             "measured": {"steps": steps, "warmup_steps": 1, "device": str(device), "dtype": base.model.dtype,
+                         "model": user.model.path, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         "device_name": _device_name(device),
                          "noise": noise,
                          "windows": [asdict(w) for w in runner.windows]}}
 
@@ -387,9 +390,17 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
 # output
 
 
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def format_table(gap: dict) -> str:
     """The waterfall as a text table: factor, setting, tokens/s, change, share of the baseline, fix; then how
     each factor was measured."""
+    from gapless.meter.report import proposed_fix
+
     base = gap["baseline"]["tokens_per_s"]
     rows = [("factor", "your setting", "tokens/s", "change", "% of adv.", "fix"),
             (gap["baseline"]["label"], "", f"{base:,.0f}", "", "100.0%", "")]
@@ -400,7 +411,7 @@ def format_table(gap: dict) -> str:
             continue
         value = s["tokens_per_s"]
         rows.append((s["factor"], s.get("setting", ""), f"{value:,.0f}", f"{s['delta']:+,.0f}",
-                     f"{100 * value / base:.1f}%", s["fix"]))
+                     f"{100 * value / base:.1f}%", proposed_fix(s)))
     rows.append((gap["final"]["label"], "", f"{value:,.0f}", f"{value - base:+,.0f}", f"{100 * value / base:.1f}%",
                  ""))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]

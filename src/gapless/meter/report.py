@@ -67,6 +67,8 @@ class Run:
     gpu: list[dict] = field(default_factory=list)
     gap: dict | None = None
     compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
+    environment: list[dict] = field(default_factory=list)  # {"kind": "environment"}: one per session
+    evals: list[dict] = field(default_factory=list)  # eval.json: `gapless eval` records
 
 
 def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
@@ -84,6 +86,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
             run.time.append(r)
         elif r.get("kind") == "compile":
             run.compile.append(r)
+        elif r.get("kind") == "environment":
+            run.environment.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
         elif "loss" in r:  # a step whose loss was not finite is null in the strict JSON: a gap in the plots
@@ -93,6 +97,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
         run.gpu = load_samples(path / "gpu.jsonl")
     if (path / "gap.json").is_file():
         run.gap = read_gap(path / "gap.json")
+    if (path / "eval.json").is_file():
+        run.evals = json.loads((path / "eval.json").read_text())
     return run
 
 
@@ -216,6 +222,13 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _step_axis(ax, run: Run) -> None:
+    """The training plots share one step axis: the same limits on each, from step 0 to the last logged step."""
+    last = run.train[-1]["step"] if run.train else 1
+    ax.set_xlim(0, max(last, 1))
+    ax.set_xlabel("step", fontsize=9)
+
+
 def plot_loss(run: Run) -> bytes:
     fig, (ax,) = _figure()
     ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=COLORS["train"], lw=1.4,
@@ -223,7 +236,7 @@ def plot_loss(run: Run) -> bytes:
     if run.eval:
         ax.plot([r["step"] for r in run.eval], [r["eval_loss"] for r in run.eval], "o-", color=COLORS["eval"],
                 ms=4, lw=1.2, label="eval loss")
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("loss (per trained token)", fontsize=9)
     ax.legend(fontsize=8, frameon=False)
     return _png(fig)
@@ -232,7 +245,7 @@ def plot_loss(run: Run) -> bytes:
 def plot_lr(run: Run) -> bytes:
     fig, (ax,) = _figure()
     ax.plot([r["step"] for r in run.train], [r["lr"] for r in run.train], color=COLORS["train"], lw=1.4)
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("learning rate", fontsize=9)
     ax.yaxis.set_major_formatter(lambda v, _: f"{v:.2e}" if v else "0")
     return _png(fig)
@@ -245,9 +258,25 @@ def plot_tokens_per_s(run: Run, steady: float | None) -> bytes:
     if steady:
         ax.axhline(steady, color=COLORS["base"], ls="--", lw=1, label=f"run: {steady:,.0f}")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("step", fontsize=9)
+    _step_axis(ax, run)
     ax.set_ylabel("real tokens / s", fontsize=9)
     ax.legend(fontsize=8, frameon=False, loc="lower right")
+    return _png(fig)
+
+
+def plot_grad_norm(run: Run) -> bytes:
+    """The global gradient norm before clipping at each logged step, and the clipping threshold."""
+    fig, (ax,) = _figure()
+    rows = [r for r in run.train if r.get("grad_norm") is not None]
+    ax.plot([r["step"] for r in rows], [r["grad_norm"] for r in rows], color=COLORS["train"], lw=1.4,
+            label="grad norm (before clipping)")
+    clip = (run.config.get("optim") or {}).get("grad_clip")
+    if clip:
+        ax.axhline(clip, color=COLORS["down"], ls="--", lw=1, label=f"optim.grad_clip {clip:g}")
+    ax.set_ylim(bottom=0)
+    _step_axis(ax, run)
+    ax.set_ylabel("L2 norm", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
     return _png(fig)
 
 
@@ -266,21 +295,6 @@ def plot_gpu(samples: list[dict]) -> bytes:
     bottom.set_ylabel("memory GiB", fontsize=9)
     bottom.set_xlabel("run time (s)", fontsize=9)
     bottom.legend(fontsize=8, frameon=False, loc="lower right")
-    return _png(fig)
-
-
-def plot_time(totals: dict[str, float]) -> bytes:
-    fig, (ax,) = _figure(height=3.0, width=WIDE)
-    wall = max(totals["wall"], 1e-9)
-    cats = list(reversed(CATEGORIES))  # startup on top
-    values = [totals[c] for c in cats]
-    ax.barh([LABELS[c] for c in cats], values, color=[CATEGORY_COLORS[c] for c in cats], height=0.65)
-    for i, v in enumerate(values):
-        ax.text(v + wall * 0.01, i, f"{v:,.1f} s  ({100 * v / wall:.1f}%)", va="center", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.28 if max(values) > 0 else 1)
-    ax.set_xlabel(f"seconds (wall {wall:,.1f} s)", fontsize=9)
-    ax.tick_params(axis="y", labelsize=9)
-    ax.grid(False, axis="y")
     return _png(fig)
 
 
@@ -341,6 +355,7 @@ figure img{width:100%;height:auto;display:block}figcaption{font-size:13px;font-w
 .finding{background:#fff;border:1px solid #dde1e6;border-left:4px solid #c8473d;border-radius:4px;padding:8px 12px;
 margin-bottom:8px}.finding b{display:block}.finding .e,.finding .f{font-size:13px}.finding .f{color:#2f5f3a}
 .ok{border-left-color:#3a9a5b}
+table.time{width:100%;border:0}td.bar{width:55%}td.bar span{display:block;height:12px;min-width:2px;border-radius:2px}
 """
 
 
@@ -365,6 +380,7 @@ def _config_rows(config: dict) -> list[tuple[str, str]]:
     data = config.get("data") or {}
     sources = ", ".join(str(s.get("name") or s.get("path")) for s in data.get("sources") or [])
     rows = [("model", get("model.path")), ("dtype / device", _join(get("model.dtype"), get("model.device"))),
+            ("ran on", get("environment.device_name")),
             ("method", get("method")),
             ("LoRA r / alpha", _join(get("lora.r"), get("lora.alpha")) if get("method") == "lora" else None),
             ("LoRA kernel", get("lora.kernel") if get("method") == "lora" else None),
@@ -399,8 +415,34 @@ def _card(value: str, key: str) -> str:
     return f'<div class="card"><div class="v">{html.escape(value)}</div><div class="k">{html.escape(key)}</div></div>'
 
 
-def render(run: Run) -> str:
-    """The report page of `run` as one HTML string."""
+def plots_of(run: Run) -> dict[str, bytes | None]:
+    """The report's plots, the slow part of writing it (matplotlib: ~1 s for a 400-step run on a small CPU). They
+    read the training, GPU and gap records only, so the loop draws them before its last record and writes the page
+    around them after it, in milliseconds: the page then prints the last record's numbers, and that record still
+    holds the run's every second."""
+    grad_norms = any("grad_norm" in r for r in run.train)
+    return {"loss": plot_loss(run) if run.train else None, "lr": plot_lr(run) if run.train else None,
+            "grad_norm": plot_grad_norm(run) if grad_norms else None,
+            "tokens_per_s": plot_tokens_per_s(run, throughput(run)["steady"]) if run.train else None,
+            "gpu": plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
+            "gap": plot_gap(run.gap) if run.gap else None}
+
+
+def time_bars(totals: dict[str, float], title: str) -> str:
+    """The time accounting as a table with a bar per category (HTML, no plot: a share of 0.1% still shows)."""
+    wall = max(totals["wall"], 1e-9)
+    rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
+                   f'<td class="n">{100 * totals[c] / wall:.1f}%</td><td class="bar"><span style="width:'
+                   f'{100 * totals[c] / wall:.2f}%;background:{CATEGORY_COLORS[c]}"></span></td></tr>'
+                   for c in CATEGORIES)
+    return (f'<figure><figcaption>{html.escape(title)}</figcaption><table class="time"><tr><th>category</th>'
+            f'<th>seconds</th><th>share</th><th></th></tr>{rows}<tr><th>wall</th><th class="n">{totals["wall"]:,.1f}'
+            '</th><th class="n">100%</th><th></th></tr></table></figure>')
+
+
+def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
+    """The report page of `run` as one HTML string (`plots`: plots_of(run), drawn earlier)."""
+    plots = plots if plots is not None else plots_of(run)
     numbers = throughput(run)
     totals = session_totals(run.time)
     last = run.train[-1] if run.train else {}
@@ -431,29 +473,27 @@ def render(run: Run) -> str:
     if monitor_note:
         finding_html += f'<p class="note">{html.escape(monitor_note.strip())}</p>'
 
-    plots = [_figure_html("Loss", plot_loss(run) if run.train else None, "no training records yet"),
-             _figure_html("Learning rate", plot_lr(run) if run.train else None, "no training records yet"),
-             _figure_html("Throughput (real tokens/s)",
-                          plot_tokens_per_s(run, numbers["steady"]) if run.train else None, "no training records yet"),
-             _figure_html("GPU utilisation and memory", plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
-                          "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
+    none = "no training records yet"
+    figures = [_figure_html("Loss", plots["loss"], none), _figure_html("Learning rate", plots["lr"], none),
+               _figure_html("Gradient norm", plots["grad_norm"], "no grad_norm in the training records"),
+               _figure_html("Throughput (real tokens/s)", plots["tokens_per_s"], none),
+               _figure_html("GPU utilisation and memory", plots["gpu"],
+                            "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
 
     if totals:
-        wall = max(totals["wall"], 1e-9)
-        rows = "".join(f'<tr><td>{LABELS[c]}</td><td class="n">{totals[c]:,.1f}</td>'
-                       f'<td class="n">{100 * totals[c] / wall:.1f}%</td></tr>' for c in CATEGORIES)
         sessions = len({r["started"] for r in run.time})
         resumed = f" over {sessions} sessions (resumed)" if sessions > 1 else ""
-        time_html = (_figure_html(f"Where the time went{resumed}", plot_time(totals))
-                     + f'<table style="margin-top:10px"><tr><th>category</th><th>seconds</th><th>share</th></tr>{rows}'
-                     f'<tr><th>wall</th><th class="n">{totals["wall"]:,.1f}</th><th class="n">100%</th></tr></table>')
+        time_html = time_bars(totals, f"Where the time went{resumed}")
     else:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
-    gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap)}" if run.gap else ""
+    gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap, plots['gap'])}" if run.gap else ""
+    eval_html = f"<h2>Evaluations (gapless eval)</h2>{eval_section(run.evals)}" if run.evals else ""
 
+    env = run.environment[-1] if run.environment else {}
     config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
-                          for k, v in _config_rows(run.config)) or "<p class='note'>no config.yaml</p>"
+                          for k, v in _config_rows({**run.config, "environment": env})
+                          ) or "<p class='note'>no config.yaml</p>"
     name = html.escape(run.path.resolve().name)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     sources = ", ".join(["metrics.jsonl"] + ["gpu.jsonl"] * bool(run.gpu) + ["gap.json"] * bool(run.gap))
@@ -465,15 +505,35 @@ def render(run: Run) -> str:
 <div class="cards">{''.join(cards)}</div>
 <h2>Findings</h2>{finding_html}
 <h2>Run config</h2><div class="config">{config_html}</div>
-<h2>Training</h2><div class="grid">{''.join(plots)}</div>
+<h2>Training</h2><div class="grid">{''.join(figures)}</div>
 <h2>Time accounting</h2>{time_html}
+{eval_html}
 {gap_html}
 </main></body></html>
 """
 
 
-def gap_section(gap: dict) -> str:
-    """The waterfall and its table, one row per step (skipped ones with their reason)."""
+def eval_section(evals: list[dict]) -> str:
+    """One row per `gapless eval` record, and the sample generations of the newest exact-match one."""
+    rows = []
+    for r in evals:
+        if r["kind"] == "loss":
+            result = f"loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({r['tokens']:,} tokens)"
+        else:
+            result = f"exact match {r['correct']}/{r['total']} = {r['exact_match']:.1%}"
+        rows.append(f"<tr><td>{html.escape(r.get('time', ''))}</td><td>{html.escape(r['data'])}</td>"
+                    f"<td>{html.escape(result)}</td></tr>")
+    samples = next((r["samples"] for r in reversed(evals) if r.get("samples")), [])
+    sample_rows = "".join(f"<tr><td>{html.escape(s['question'])}</td><td>{html.escape(str(s['expected']))}</td>"
+                          f"<td>{html.escape(s['reply'])}</td></tr>" for s in samples)
+    return ("<table><tr><th>when</th><th>data</th><th>result</th></tr>" + "".join(rows) + "</table>"
+            + ("<h3>Sample generations</h3><table><tr><th>prompt</th><th>expected</th><th>reply</th></tr>"
+               + sample_rows + "</table>" if samples else ""))
+
+
+def gap_section(gap: dict, png: bytes | None = None) -> str:
+    """The waterfall (`png`: plot_gap(gap), drawn earlier) and its table, one row per step (skipped ones with their
+    reason)."""
     base = gap["baseline"]["tokens_per_s"]
 
     def esc(value) -> str:
@@ -489,7 +549,7 @@ def gap_section(gap: dict) -> str:
         value = s["tokens_per_s"]
         rows.append(f'<tr><td>{esc(s["factor"])}</td><td>{esc(s.get("setting", ""))}</td>'
                     f'<td class="n">{value:,.0f}</td><td class="n">{s["delta"]:+,.0f}</td>'
-                    f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(s["fix"])}</td>'
+                    f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(proposed_fix(s))}</td>'
                     f'<td>{esc(s.get("note", ""))}</td></tr>')
     rows.append(f'<tr><th>{esc(gap["final"]["label"])}</th><td></td><th class="n">{value:,.0f}</th>'
                 f'<th class="n">{value - base:+,.0f}</th><th class="n">{100 * value / base:.1f}%</th><td></td>'
@@ -497,15 +557,45 @@ def gap_section(gap: dict) -> str:
     noise = (gap.get("measured") or {}).get("noise")  # `gapless gap`: two windows of the baseline's conditions
     noise_html = ("" if noise is None else f'<p class="sub">noise: two windows of {esc(gap["baseline"]["label"])} '
                   f'differ by {100 * noise:.1f}%; changes within it are not costs</p>')
-    return (_figure_html("Throughput gap, factor by factor", plot_gap(gap))
+    return (_figure_html("Throughput gap, factor by factor", png if png is not None else plot_gap(gap))
             + '<table style="margin-top:10px"><tr><th>factor</th><th>setting</th><th>tokens/s</th><th>change</th>'
             f'<th>of {esc(gap["baseline"]["label"])}</th><th>fix</th><th>how measured</th></tr>{"".join(rows)}</table>'
             + noise_html)
 
 
+def proposed_fix(step: dict) -> str:
+    """The step's fix, without any alternative that is the value already set (`checkpoint.every: 500` proposed to a
+    run with checkpoint.every 500 asks the user to change nothing)."""
+    setting = _settings(step.get("setting", ""))
+    kept = [alt for alt in step.get("fix", "").split(" or ") if not (_settings(alt) and _settings(alt) <= setting)]
+    if step.get("fix") and not kept:
+        return "none: the proposed value is already set"
+    return " or ".join(kept)
+
+
+def _settings(text: str) -> set[tuple[str, str]]:
+    """`key: value` pairs of a setting or fix text (`a: 1 with b: 2` -> {(a, 1), (b, 2)}); empty for prose."""
+    pairs = set()
+    for part in text.split(" with "):
+        key, sep, value = part.partition(": ")
+        if not sep or " " in key.strip():
+            return set()
+        pairs.add((key.strip(), value.split(" (")[0].strip()))
+    return pairs
+
+
+def gap_title(gap: dict) -> str:
+    """The gap page's title: model, GPU, date and config, as far as gap.json records them."""
+    m = gap.get("measured") or {}
+    parts = [m.get("model") and Path(str(m["model"])).name, m.get("device_name") or m.get("device"),
+             m.get("dtype"), m.get("date"), gap.get("config") and Path(str(gap["config"])).name]
+    return "gapless gap: " + ", ".join(str(p) for p in parts if p) if any(parts) else \
+        f"gapless gap: {gap['baseline']['label']} to {gap['final']['label']}"
+
+
 def write_gap_page(gap: dict, path: Path) -> Path:
     """A self-contained page with the gap's waterfall and table (`gapless gap`'s gap.html)."""
-    title = f"gapless gap: {gap['baseline']['label']} to {gap['final']['label']}"
+    title = gap_title(gap)
     path.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
 <body><main><h1>{html.escape(title)}</h1>{gap_section(gap)}</main></body></html>
@@ -519,16 +609,117 @@ def _duration(seconds: float) -> str:
     return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s"
 
 
-def write_report(run_dir: str | Path, pending: list[dict] = ()) -> Path:
-    """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run)."""
+def write_report(run_dir: str | Path, pending: list[dict] = (), plots: dict | None = None) -> Path:
+    """Write RUN/report.html (self-contained) and return its path (`pending`: see read_run; `plots`: plots_of)."""
     run = read_run(run_dir, pending)
     out = run.path / "report.html"
     tmp = out.with_name(f".report.html.tmp-{os.getpid()}")  # a rename: a reader never sees half a report
     try:
-        tmp.write_text(render(run), encoding="utf-8")
+        tmp.write_text(render(run, plots), encoding="utf-8")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# several runs: `gapless report RUN_A RUN_B ...`
+
+RUN_COLORS = ["#2f6db5", "#e07b28", "#3a9a5b", "#c8473d", "#7d5ba6", "#c9a227", "#5d6b78"]
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(items: list[dict]) -> list[tuple[str, list]]:
+    """The keys whose values are not all equal across `items` (flat dicts), with each item's value."""
+    keys = sorted({k for item in items for k in item})
+    return [(k, [item.get(k) for item in items]) for k in keys if len({repr(item.get(k)) for item in items}) > 1]
+
+
+def plot_overlay(runs: list[Run], key: str, ylabel: str, source: str = "train") -> bytes:
+    fig, (ax,) = _figure(width=WIDE / 2)
+    for i, run in enumerate(runs):
+        rows = [r for r in getattr(run, source) if r.get(key) is not None]
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], color=RUN_COLORS[i % len(RUN_COLORS)], lw=1.3,
+                marker="o" if source == "eval" else None, ms=3, label=_label(run, runs))
+    last = max((r["step"] for run in runs for r in run.train), default=1)
+    ax.set_xlim(0, max(last, 1))
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def _label(run: Run, runs: list[Run]) -> str:
+    names = [r.path.resolve().name for r in runs]
+    return run.path.resolve().name if names.count(run.path.resolve().name) == 1 else str(run.path)
+
+
+def render_compare(runs: list[Run]) -> str:
+    """One page: the runs' curves overlaid on the step axis, their headline numbers, and every config and
+    environment setting that differs between them."""
+    labels = [_label(r, runs) for r in runs]
+    head = "".join(f"<th>{html.escape(x)}</th>" for x in labels)
+
+    def row(name: str, values: list[str]) -> str:
+        return f"<tr><td>{html.escape(name)}</td>" + "".join(f'<td class="n">{html.escape(v)}</td>' for v in values) \
+            + "</tr>"
+
+    numbers = [throughput(r) for r in runs]
+    totals = [session_totals(r.time) for r in runs]
+    summary = [row("optimizer steps", [f"{r.train[-1]['step']:,}" if r.train else "-" for r in runs]),
+               row("final train loss", [f"{r.train[-1]['loss']:.4f}" if r.train else "-" for r in runs]),
+               row("final eval loss", [f"{r.eval[-1]['eval_loss']:.4f}" if r.eval else "-" for r in runs]),
+               row("real tokens/s, training", [f"{n['steady']:,.0f}" if n["steady"] else "-" for n in numbers]),
+               row("real tokens/s, end to end", [f"{n['end_to_end']:,.0f}" if n["end_to_end"] else "-"
+                                                 for n in numbers]),
+               row("wall time", [_duration(t["wall"]) if t else "-" for t in totals])]
+
+    def diff_table(items: list[dict], what: str) -> str:
+        diffs = differences(items)
+        if not diffs:
+            return f'<p class="note">no {what} differences</p>'
+        return (f"<table><tr><th>{what}</th>{head}</tr>"
+                + "".join(row(k, ["-" if v is None else str(v) for v in values]) for k, values in diffs) + "</table>")
+
+    env_keys = ("device", "device_name", "device_count", "gapless", "torch", "cuda", "python", "host")
+    envs = [{k: r.environment[-1].get(k) for k in env_keys} if r.environment else {} for r in runs]
+    plots = [_figure_html("Loss", plot_overlay(runs, "loss", "train loss")),
+             _figure_html("Gradient norm", plot_overlay(runs, "grad_norm", "L2 norm")),
+             _figure_html("Throughput (real tokens/s)", plot_overlay(runs, "tokens_per_s", "real tokens / s")),
+             _figure_html("Learning rate", plot_overlay(runs, "lr", "learning rate"))]
+    if any(r.eval for r in runs):
+        plots.append(_figure_html("Eval loss", plot_overlay(runs, "eval_loss", "eval loss", source="eval")))
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gapless compare: {html.escape(' vs '.join(labels))}</title>
+<style>{CSS}</style></head>
+<body><main>
+<h1>gapless compare <span>{html.escape(' vs '.join(labels))}</span></h1>
+<p class="sub">{' &middot; '.join(html.escape(str(r.path.resolve())) for r in runs)} &middot; generated {when}</p>
+<h2>Numbers</h2><table><tr><th></th>{head}</tr>{''.join(summary)}</table>
+<h2>Config differences</h2>{diff_table([flatten(r.config) for r in runs], "config")}
+<h2>Environment differences</h2>{diff_table(envs, "environment")}
+<h2>Training</h2><div class="grid">{''.join(plots)}</div>
+</main></body></html>
+"""
+
+
+def write_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """`gapless report RUN_A RUN_B ... --out FILE`: the compare page, self-contained like report.html."""
+    if len(run_dirs) < 2:
+        raise ValueError("compare: give at least two run folders")
+    out = Path(out)
+    out.write_text(render_compare([read_run(d) for d in run_dirs]), encoding="utf-8")
     return out
 
 

@@ -264,9 +264,10 @@ class Attention(nn.Module):
         self.scale = (args.query_pre_attn_scalar or hd) ** -0.5
         # passed to attn_fn only when set: a soft-capping model needs a backend that takes it (kernels.attention)
         self.softcap = {} if args.attn_softcap is None else {"softcap": args.attn_softcap}
+        self.layer_idx = layer_idx
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
-                max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
+                max_seqlen: int | None, attention_mask: Tensor | None, cache=None) -> Tensor:
         B, T, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(B, T, -1, self.head_dim)  # [B, T, Hq, hd]
@@ -275,8 +276,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn_fn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask,
-                      sliding_window=self.sliding_window, scale=self.scale, **self.softcap)
+        if cache is not None:  # generation: these keys/values join the cached ones (gapless.model.generate.KVCache)
+            out = cache.attend(self.layer_idx, q, k, v, self.sliding_window, self.scale, **self.softcap)
+        else:
+            out = attn_fn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask,
+                          sliding_window=self.sliding_window, scale=self.scale, **self.softcap)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -318,8 +322,8 @@ class DecoderLayer(nn.Module):
         self.rope_table = int(args.local_rope_theta is not None and args.sliding_window[layer_idx] is not None)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn_fn, cu_seqlens: Tensor | None,
-                max_seqlen: int | None, attention_mask: Tensor | None) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos, sin, attn_fn, cu_seqlens, max_seqlen, attention_mask)
+                max_seqlen: int | None, attention_mask: Tensor | None, cache=None) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn_fn, cu_seqlens, max_seqlen, attention_mask, cache)
         if self.pre_feedforward_layernorm is None:
             h = h + a
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -379,8 +383,10 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
                       cu_seqlens: Tensor | None = None, attention_mask: Tensor | None = None,
-                      max_seqlen: int | None = None) -> Tensor:
-        """The final-normed hidden states [B, T, hidden]; the training loss applies lm_head in chunks."""
+                      max_seqlen: int | None = None, cache=None) -> Tensor:
+        """The final-normed hidden states [B, T, hidden]; the training loss applies lm_head in chunks. `cache`
+        (generation): a gapless.model.generate.KVCache holding the earlier positions' keys and values; pass the
+        new tokens' position_ids."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -398,7 +404,9 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
         rope = self.model.rotary_emb(position_ids, h.dtype)  # [(cos, sin) [B, T, hd]], once for all layers
         for layer in self.model.layers:
-            h = layer(h, *rope[layer.rope_table], self.attn_fn, cu_seqlens, max_seqlen, attention_mask)
+            # the training call stays the 7 arguments that compiled and checkpointed layers were traced with
+            h = layer(h, *rope[layer.rope_table], self.attn_fn, cu_seqlens, max_seqlen, attention_mask,
+                      **({"cache": cache} if cache is not None else {}))
         return self.model.norm(h)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None,

@@ -392,10 +392,13 @@ def _manifest_problem(manifest: Any, path: Path) -> str | None:
     if m and manifest.get("step") != int(m.group(1)):
         return f"says step {manifest.get('step')!r}, the folder is {path.name}"
     files = manifest.get("files")
-    if not isinstance(files, dict) or META not in files or not any(n.endswith(".pt") for n in files):
-        return f"does not list the checkpoint's files ({META} and the .pt tensor groups)"
+    # a torchrun run's checkpoint (gapless.train.dist_checkpoint) holds DCP's .distcp shards and .metadata instead
+    tensors = (".distcp", ".metadata") if manifest.get("writer") == "dcp" else (".pt",)
+    if not isinstance(files, dict) or META not in files or not any(n.endswith(tensors) for n in files):
+        return f"does not list the checkpoint's files ({META} and the tensor files)"
     for name, info in files.items():
-        if "/" in name or "\\" in name or name.startswith(".") or name == MANIFEST:
+        # no separators and no "..": a name cannot leave the folder (DCP's own ".metadata" is a plain file name)
+        if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST:
             return f"lists {name!r}, which is not a file of the checkpoint folder"
         if not (isinstance(info, dict) and type(info.get("size")) is int and isinstance(info.get("sha256"), str)):
             return f"has no size and sha256 for {name}"

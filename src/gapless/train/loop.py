@@ -35,7 +35,7 @@ from gapless.config import RunConfig, to_dict
 from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
-from gapless.meter.report import write_report
+from gapless.meter.report import plots_of, read_run, write_report
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
@@ -107,7 +107,7 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss of that logged step
     final_dir: Path | None = None
     real_tokens: int = 0  # of every step this call ran
-    wall_s: float = 0.0  # from the start of `train` to its end, the report included
+    wall_s: float = 0.0  # from the start of `train` to its last record (the report's plots in, its page after: ms)
     tokens_per_s: float = 0.0  # real_tokens / wall_s
     # the steady part: the steps after the warm-up step (which compiles), from its end to the end of the loop
     # (the GPU settled, the last checkpoint write waited for); what `gapless gap` compares
@@ -210,6 +210,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     cfg.check_model(model_config)
 
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
+    progress.phase("startup: building and loading the model")
     method = method_of(cfg)
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
@@ -230,6 +231,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+    progress.phase("startup: reading and tokenizing the data")
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
         if tokenizing == parallel.is_main:
             mix, eval_mix, summary = data if data is not None else build_data(
@@ -341,10 +343,13 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     rows = 1 << 30  # no cap until an OOM
     t_steady = steady_mark = None
     if run.eval_batches and cfg.model.compile:
+        run.progress.phase("startup: compiling the evaluation graphs")
         # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
         # stall the first evaluation mid-run (~20 s for a 1B model on an H200)
         evaluate(run.model, run.eval_batches[:1], device)
     timeline.end("startup")
+    run.progress.phase("startup: first step (compiles the layers, fills the allocator)" if cfg.model.compile
+                       else "startup: first step")
     try:
         while step < run.steps_total:
             with timeline.phase("data_wait"):
@@ -372,6 +377,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             window.add(real, sum(b.num_target_tokens for b in micro), sum(b.num_slots for b in micro),
                        sum(step_flops(run.model.args, b.doc_lengths, **run.method.flops) for b in micro), warmup)
             result.real_tokens += real
+            run.progress.advance(step, result.real_tokens)  # host ints: the line moves every step, no sync
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
                 failed = frames_not_compiled() - frames_failed_before
@@ -503,18 +509,24 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
                 progress.message(f"{run.method.final_name} not written to {final}: {e.strerror or e}; " + (
                     f"the trained weights are in {latest[-1]}: free space, then `gapless export {latest[-1]} "
                     "--out DIR`" if latest else "no checkpoint holds the trained weights (checkpoint.every is 0)"))
-    # the report is part of the run: it is written inside the timeline, from metrics.jsonl plus the final
-    # record that is written after it (so that record, the last line, covers every second of the call)
-    with timeline.phase("logging"):
-        report = write_report(run.run_dir, pending=[_run_record(timeline.record(step, final=True), result)]) \
-            if run.parallel.is_main else None
+    # The last record of metrics.jsonl is the run's: it is written once, and the console and the report print
+    # its numbers (the report was written from one record and the console printed a later one: 20,464 vs 20,258
+    # tok/s, 1.4 s apart). The report's plots, its slow part, are drawn before it, inside the run's clock; the
+    # page around them is written after it in milliseconds.
+    plots = None
+    if run.parallel.is_main:
+        with timeline.phase("logging"):
+            write_metrics(metrics, environment_record(run.device, step))  # the session's device, by name
+            plots = plots_of(read_run(run.run_dir))
     final_record = _run_record(timeline.record(step, final=True), result)
     write_metrics(metrics, final_record)
     result.wall_s, result.seconds = final_record["wall_s"], final_record["seconds"]
     result.tokens_per_s = final_record["tokens_per_s"]
     progress.message(f"time: {format_summary({**final_record['seconds'], 'wall': final_record['wall_s']})}")
     progress.message(f"throughput: {result.real_tokens:,} real tokens in {final_record['wall_s']:.1f} s = "
-                     f"{result.tokens_per_s:,.0f} real tokens/s over the whole run; report: {report}")
+                     f"{result.tokens_per_s:,.0f} real tokens/s over the whole run")
+    if run.parallel.is_main:
+        progress.message(f"report: {write_report(run.run_dir, plots=plots)}")
 
 
 def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
@@ -535,36 +547,56 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     timeline = Timeline(device, t0=started)
     timeline.begin("startup")
     progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main)  # rank 0 alone speaks
-    if auto_note:
-        progress.message(auto_note)
-    cfg.check_output_dir()
-    run_dir = Path(cfg.output_dir)
-    # one run per folder (rank 0 holds the lock; the kernel releases it however this process ends)
-    with RunLock(run_dir) if parallel.is_main else contextlib.nullcontext():
-        if parallel.is_main:
-            prepare_run_dir(run_dir, resume=cfg.resume, overwrite=overwrite)
-        parallel.barrier()
-        changed, latest = {}, None
-        if cfg.resume:  # checked before anything is written or built
-            saved = read_saved_config(run_dir)
-            changed = check_resume(saved, to_dict(cfg)) if saved is not None else {}
-            latest = resume_point(run_dir / "checkpoints")  # raises when checkpoints exist and none verifies
-        run = setup(cfg, device, timeline, progress, data, parallel)
-        step = resume(run, latest) if cfg.resume else 0
-        result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
-        progress.total = run.steps_total
-        metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
+    with progress.route_warnings():  # one formatted line per distinct warning, above the live status line
         try:
-            if changed:
-                write_metrics(metrics, {"kind": "resume", "step": step, "changed": {k: list(v) for k, v in
-                                                                                     changed.items()}})
-            with StopSignals() as stop:
-                step = run_loop(run, step, result, metrics, stop_after, stop)
-            finish(run, step, result, metrics)
+            if auto_note:
+                progress.message(auto_note)
+            cfg.check_output_dir()
+            run_dir = Path(cfg.output_dir)
+            # one run per folder (rank 0 holds the lock; the kernel releases it however this process ends)
+            with RunLock(run_dir) if parallel.is_main else contextlib.nullcontext():
+                if parallel.is_main:
+                    prepare_run_dir(run_dir, resume=cfg.resume, overwrite=overwrite)
+                parallel.barrier()
+                changed, latest = {}, None
+                if cfg.resume:  # checked before anything is written or built
+                    saved = read_saved_config(run_dir)
+                    changed = check_resume(saved, to_dict(cfg)) if saved is not None else {}
+                    latest = resume_point(run_dir / "checkpoints")  # raises when checkpoints exist and none verifies
+                run = setup(cfg, device, timeline, progress, data, parallel)
+                step = resume(run, latest) if cfg.resume else 0
+                result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
+                progress.total = run.steps_total
+                metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
+                try:
+                    if changed:
+                        write_metrics(metrics, {"kind": "resume", "step": step, "changed": {k: list(v) for k, v in
+                                                                                             changed.items()}})
+                    with StopSignals() as stop:
+                        step = run_loop(run, step, result, metrics, stop_after, stop)
+                    finish(run, step, result, metrics)
+                finally:
+                    metrics.close()
+                    parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
         finally:
-            metrics.close()
-            parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
+            progress.close()
     return result
+
+
+def environment_record(device: torch.device, step: int) -> dict:
+    """What ran the session: the device by name (not `auto`) and the software versions (`gapless report A B`
+    lists the differences between runs)."""
+    import platform
+    import socket
+
+    from gapless import __version__
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"kind": "environment", "step": step, "device": str(device), "device_name": name,
+            "device_count": torch.cuda.device_count() if device.type == "cuda" else 1,
+            "gapless": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _run_record(time_record: dict, result: RunResult) -> dict:

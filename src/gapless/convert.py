@@ -1,0 +1,698 @@
+"""Configs from the peers: an Axolotl YAML or a TRL SFTConfig-style YAML as a gapless config dict.
+
+`detect(raw)` names the format of a parsed YAML mapping; `convert(raw, fmt)` returns the gapless dict and the
+mapping it applied, one line per source key, or raises ValueError naming every key it cannot honour (a setting
+that would change what trains, silently dropped, is a run that is not the one the user asked for). Keys whose
+value is empty (`wandb_project:`), or that only say what gapless does anyway, are accepted and listed.
+
+Axolotl's keys are those of its config reference (docs.axolotl.ai/docs/config-reference.html); TRL's are
+SFTConfig's and TrainingArguments' fields as `trl sft --config FILE.yaml` reads them, plus the script arguments
+`model_name_or_path` and `dataset_name` and the PEFT model arguments (`use_peft`, `lora_r`, ...).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gapless.config import ALL_LINEAR, RunConfig
+
+# ChatML, as Axolotl's `conversation: chatml` / `chat_template: chatml` renders it; gapless takes the Jinja.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# A Hugging Face hub id (`meta-llama/Llama-3.2-1B`): one slash, no leading `/`, `.` or `~`.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+AXOLOTL_MARKERS = ("base_model", "datasets", "sequence_len", "micro_batch_size", "sample_packing", "adapter",
+                   "num_epochs", "lora_target_linear")
+TRL_MARKERS = ("model_name_or_path", "dataset_name", "per_device_train_batch_size", "num_train_epochs",
+               "max_seq_length", "max_length", "dataset_text_field", "lr_scheduler_type", "use_peft")
+
+
+def detect(raw: dict) -> str:
+    """'gapless', 'axolotl' or 'trl': gapless when every top-level key is a RunConfig field."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    if set(raw) <= fields:
+        return "gapless"
+    axolotl = sum(k in raw for k in AXOLOTL_MARKERS)
+    trl = sum(k in raw for k in TRL_MARKERS)
+    if axolotl == trl == 0:
+        return "gapless"  # from_dict names the unknown keys
+    return "axolotl" if axolotl >= trl else "trl"
+
+
+@dataclass
+class Conversion:
+    config: dict
+    fmt: str
+    applied: list[tuple[str, str]] = field(default_factory=list)  # (source key = value, what it became)
+
+    def format(self) -> str:
+        width = max((len(s) for s, _ in self.applied), default=0)
+        return "\n".join([f"{self.fmt} config -> gapless:"] + [f"  {s:<{width}}  ->  {t}" for s, t in self.applied])
+
+
+def is_hub_id(path: str) -> bool:
+    return bool(HUB_ID.fullmatch(path)) and not Path(path).expanduser().exists()
+
+
+def check_local(path: str | None, where: str, what: str) -> str | None:
+    """An error line when `path` (the value of setting `where`) is a hub id rather than a local folder."""
+    if path and is_hub_id(path):
+        return (f"{where}: {path!r} looks like a Hugging Face hub id; gapless reads {what} from a local folder. "
+                f"Download it first (e.g. `hf download {path} --local-dir /models/{path.split('/')[-1]}`) "
+                f"and set {where} to that folder")
+    return None
+
+
+def check_run_paths(cfg: RunConfig) -> None:
+    """Every hub id among the model, tokenizer and data paths, named by its field, in one ValueError."""
+    errors = [check_local(cfg.model.path, "model.path", "the model (config.json + *.safetensors)"),
+              check_local(cfg.data.tokenizer, "data.tokenizer", "the tokenizer")]
+    for key in ("sources", "eval_sources"):
+        for i, s in enumerate(getattr(cfg.data, key)):
+            errors.append(check_local(s.path, f"data.{key}[{i}].path", "data files (.jsonl, .json, .parquet, ...)"))
+    errors = [e for e in errors if e]
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
+def _set(out: dict, dotted: str, value: Any) -> None:
+    node = out
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def _method_accepted(name: str) -> bool:
+    import typing
+
+    return name in typing.get_args(typing.get_type_hints(RunConfig)["method"])
+
+
+class _Converter:
+    """Shared bookkeeping: what was applied, what is refused (all of it reported at once)."""
+
+    def __init__(self, raw: dict, fmt: str):
+        self.raw, self.out = raw, {}
+        self.conv = Conversion(self.out, fmt)
+        self.refused: list[str] = []
+        self.seen: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(key)
+        return self.raw.get(key, default)
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) not in (None, "")
+
+    def put(self, key: str, dotted: str, value: Any, note: str = "") -> None:
+        self.seen.add(key)
+        _set(self.out, dotted, value)
+        self.conv.applied.append((f"{key}: {_show(self.raw.get(key))}",
+                                  f"{dotted}: {_show(value)}" + (f"  ({note})" if note else "")))
+
+    def note(self, key: str, text: str) -> None:
+        self.seen.add(key)
+        self.conv.applied.append((f"{key}: {_show(self.raw.get(key))}", text))
+
+    def refuse(self, key: str, why: str) -> None:
+        self.seen.add(key)
+        self.refused.append(f"{key}: {_show(self.raw.get(key))}: {why}")
+
+    def method(self, key: str, name: str) -> None:
+        if _method_accepted(name):
+            self.put(key, "method", name)
+        else:
+            self.refuse(key, f"needs gapless method {name!r}, which this version does not have "
+                             f"(RunConfig.method accepts {', '.join(_methods())})")
+
+    def finish(self, ignorable: dict[str, str]) -> Conversion:
+        for key in self.raw:
+            if key in self.seen:
+                continue
+            if key in ignorable:
+                self.note(key, ignorable[key])
+            elif self.raw[key] in (None, "", [], {}):
+                self.note(key, "empty: nothing to apply")
+            else:
+                self.refuse(key, "no gapless equivalent; remove it to train without it")
+        if self.refused:
+            raise ValueError(f"{self.conv.fmt} config: {len(self.refused)} setting(s) gapless cannot honour "
+                             "(remove or change them; nothing is ignored silently):\n  "
+                             + "\n  ".join(self.refused))
+        return self.conv
+
+
+def _methods() -> tuple[str, ...]:
+    import typing
+
+    return typing.get_args(typing.get_type_hints(RunConfig)["method"])
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _precision(c: _Converter) -> None:
+    bf16, fp16 = c.get("bf16") in (True, "auto"), c.get("fp16") is True
+    present = [k for k in ("bf16", "fp16") if k in c.raw]
+    if bf16 and fp16:
+        c.refuse("fp16", "bf16 and fp16 are both on; keep one")
+    elif bf16 or fp16:
+        on = "bf16" if bf16 else "fp16"
+        c.put(on, "model.dtype", "bfloat16" if bf16 else "float16")
+        for key in present:
+            if key != on:
+                c.note(key, "off")
+    elif present:
+        c.put(present[0], "model.dtype", "float32", "neither bf16 nor fp16 is on")
+        for key in present[1:]:
+            c.note(key, "off")
+    tf32 = c.get("tf32")
+    if tf32 is True:
+        # TF32 only changes float32 matmuls; gapless leaves torch's default (TF32 off) and has no switch for it
+        if c.out.get("model", {}).get("dtype") in ("bfloat16", "float16"):
+            c.note("tf32", "no effect: the model's matmuls run in half precision")
+        else:
+            c.refuse("tf32", "gapless has no TF32 switch for float32 matmuls; train in bf16 (bf16: true)")
+    elif "tf32" in c.raw:
+        c.note("tf32", "off, as gapless runs float32 matmuls")
+
+
+def _schedule(c: _Converter, key: str) -> None:
+    kind = c.get(key)
+    if kind is None:
+        return
+    known = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
+    if kind in known:
+        c.put(key, "schedule.kind", known[kind])
+    else:
+        c.refuse(key, f"gapless schedules are {sorted(known)}")
+
+
+def _optimizer(c: _Converter, key: str) -> None:
+    name = c.get(key)
+    if name is None:
+        return
+    # gapless runs torch's AdamW (decoupled weight decay), fused on CUDA by default
+    adamw = {"adamw_torch": None, "adamw_hf": None, "adamw": None, "adamw_torch_fused": True}
+    if name in adamw:
+        if adamw[name] is None:
+            c.note(key, "AdamW (torch.optim.AdamW; fused on CUDA)")
+        else:
+            c.put(key, "optim.fused", True)
+    else:
+        c.refuse(key, "gapless trains with torch's AdamW only (adamw_torch, adamw_torch_fused)")
+
+
+def _warmup(c: _Converter) -> None:
+    steps, ratio = c.get("warmup_steps"), c.get("warmup_ratio")
+    if steps:
+        c.put("warmup_steps", "schedule.warmup_steps", int(steps))
+    elif "warmup_steps" in c.raw:
+        c.note("warmup_steps", "0: no warmup")
+    if ratio:
+        c.put("warmup_ratio", "schedule.warmup_ratio", float(ratio))
+    elif "warmup_ratio" in c.raw:
+        c.note("warmup_ratio", "0: no warmup")
+
+
+# keys that Axolotl and TRL name alike and that map one to one: (key, gapless field, type)
+SHARED_KEYS = [("gradient_accumulation_steps", "train.grad_accum", int), ("learning_rate", "optim.lr", float),
+               ("weight_decay", "optim.weight_decay", float), ("max_grad_norm", "optim.grad_clip", float),
+               ("adam_epsilon", "optim.eps", float), ("save_total_limit", "checkpoint.keep", int),
+               ("logging_steps", "train.log_every", int), ("seed", "train.seed", int),
+               ("output_dir", "output_dir", str), ("lora_r", "lora.r", int), ("lora_alpha", "lora.alpha", float),
+               ("lora_dropout", "lora.dropout", float)]
+
+
+def _one_to_one(c: _Converter, table: list[tuple[str, str, type]]) -> None:
+    for key, dotted, cast in table:
+        if c.has(key):
+            c.put(key, dotted, cast(c.get(key)))
+    betas = [float(c.raw.get("adam_beta1", 0.9)), float(c.raw.get("adam_beta2", 0.999))]
+    for key in ("adam_beta1", "adam_beta2"):
+        if c.has(key):
+            c.put(key, "optim.betas", betas)
+
+
+def _model_and_length(c: _Converter, model_key: str, seq_key: str, default: int, who: str) -> int:
+    """model.path and data.max_seq_len (the peer's default when unset); returns the length."""
+    if c.get(model_key) is None:
+        c.refused.append(f"{model_key}: missing; give the model's local folder")
+    else:
+        c.put(model_key, "model.path", str(c.get(model_key)))
+    seq = int(c.get(seq_key) or default)
+    if seq_key in c.raw:
+        c.put(seq_key, "data.max_seq_len", seq)
+    else:
+        _set(c.out, "data.max_seq_len", seq)
+        c.conv.applied.append((f"{seq_key}: (unset)", f"data.max_seq_len: {default}  ({who}'s default)"))
+    return seq
+
+
+def _lora_targets(c: _Converter, key: str) -> None:
+    targets = c.get(key)
+    if targets is None:
+        return
+    if targets == "all-linear":
+        c.put(key, "lora.target_modules", list(ALL_LINEAR))
+    elif isinstance(targets, list) and set(targets) <= set(ALL_LINEAR) and targets:
+        c.put(key, "lora.target_modules", list(targets))
+    else:
+        c.refuse(key, f"gapless adapts only the decoder's linear layers {list(ALL_LINEAR)}")
+
+
+def _batch(c: _Converter, batch_key: str, seq: int, packing: bool) -> None:
+    micro = c.get(batch_key)
+    if micro is None:
+        return
+    tokens = int(micro) * seq
+    how = (f"{micro} rows of {seq} slots, packed" if packing else
+           f"{micro} x {seq} slots; padded batches hold as many documents as fit, each padded to the longest")
+    c.put(batch_key, "data.tokens_per_batch", tokens, how)
+
+
+# ---------------------------------------------------------------------------------------------
+# Axolotl
+
+
+# keys that change nothing gapless does, with why
+AXOLOTL_IGNORABLE = {
+    "model_type": "read from the checkpoint's config.json",
+    "tokenizer_type": "the checkpoint's tokenizer (HF fast tokenizer)",
+    "base_model_config": "read from the checkpoint's config.json",
+    "strict": "gapless refuses unknown keys always",
+    "flash_attention": None,  # handled
+    "sdp_attention": "model.attn_backend auto: sdpa where varlen cannot run",
+    "pad_to_sequence_len": "packed rows are full length; padded batches pad to the longest",
+    "eval_sample_packing": "evaluation batches use the training batching",
+    "dataset_prepared_path": "gapless caches tokenized data in data.cache_dir",
+    "group_by_length": None,
+    "train_on_inputs": None,
+    "local_rank": "set by the launcher",
+    "debug": "no effect on what trains",
+    "wandb_mode": None, "wandb_project": None, "wandb_entity": None, "wandb_watch": None, "wandb_name": None,
+    "wandb_log_model": None,
+}
+
+
+def convert_axolotl(raw: dict) -> Conversion:
+    c = _Converter(raw, "axolotl")
+    seq = _model_and_length(c, "base_model", "sequence_len", 2048, "Axolotl")
+    if c.has("tokenizer_config"):
+        c.put("tokenizer_config", "data.tokenizer", str(c.get("tokenizer_config")))
+    packing = bool(c.get("sample_packing"))
+    if "sample_packing" in raw:
+        c.put("sample_packing", "data.batching", "packed" if packing else "padded")
+    else:
+        _set(c.out, "data.batching", "padded")
+        c.conv.applied.append(("sample_packing: (unset)", "data.batching: padded  (Axolotl's default: no packing)"))
+    _batch(c, "micro_batch_size", seq, packing)
+    _one_to_one(c, SHARED_KEYS)
+    _schedule(c, "lr_scheduler")
+    _warmup(c)
+    if c.has("num_epochs"):
+        c.put("num_epochs", "train.epochs", float(c.get("num_epochs")))
+    if c.has("max_steps") and int(c.get("max_steps")) > 0:
+        c.put("max_steps", "train.steps", int(c.get("max_steps")))
+    _optimizer(c, "optimizer")
+    _precision(c)
+    if c.has("gradient_checkpointing"):
+        gc = c.get("gradient_checkpointing")
+        if gc is True:
+            c.put("gradient_checkpointing", "model.activation_checkpointing", 1, "every layer")
+        elif gc is False:
+            c.note("gradient_checkpointing", "off")
+        else:
+            c.refuse("gradient_checkpointing", "expected true or false")
+    if c.has("save_steps"):
+        c.put("save_steps", "checkpoint.every", int(c.get("save_steps")))
+    if c.has("eval_steps"):
+        c.put("eval_steps", "train.eval_every", int(c.get("eval_steps")))
+    val = c.get("val_set_size")
+    if val:
+        if 0 < float(val) < 1:
+            c.put("val_set_size", "data.eval_fraction", float(val))
+        else:
+            c.refuse("val_set_size", "gapless holds out a fraction of the records (0 < val_set_size < 1), "
+                                     "not a count")
+    elif "val_set_size" in raw:
+        c.note("val_set_size", "0: no held-out split")
+    if "train_on_inputs" in raw:
+        c.put("train_on_inputs", "data.train_on", "all" if c.get("train_on_inputs") else "assistant")
+    if c.get("group_by_length"):
+        c.put("group_by_length", "data.batching", "length_grouped")
+    elif "group_by_length" in raw:
+        c.note("group_by_length", "off")
+    # the method: lora, qlora, or full fine-tuning (no adapter)
+    adapter = c.get("adapter")
+    if adapter == "lora":
+        c.method("adapter", "lora")
+        if c.get("load_in_8bit") or c.get("load_in_4bit"):
+            c.refuse("load_in_8bit" if c.get("load_in_8bit") else "load_in_4bit",
+                     "a quantized base is adapter: qlora (4-bit) in gapless; 8-bit bases are not supported")
+    elif adapter == "qlora":
+        c.method("adapter", "qlora")
+        if c.get("load_in_8bit"):
+            c.refuse("load_in_8bit", "qlora quantizes the base to 4 bits (NF4), not 8")
+        c.get("load_in_4bit")
+    elif adapter in (None, ""):  # no adapter: Axolotl fine-tunes every weight
+        c.method("adapter", "full")
+        if c.get("load_in_8bit") or c.get("load_in_4bit"):
+            c.refuse("load_in_8bit" if c.get("load_in_8bit") else "load_in_4bit",
+                     "a quantized base needs adapter: qlora")
+    else:
+        c.refuse("adapter", "gapless methods are lora, qlora and full fine-tuning (no adapter key)")
+    for key in ("load_in_8bit", "load_in_4bit"):
+        if key in raw and not raw[key]:
+            c.note(key, "off")
+    if c.get("lora_target_linear"):
+        c.put("lora_target_linear", "lora.target_modules", list(ALL_LINEAR))
+        if c.has("lora_target_modules"):
+            c.note("lora_target_modules", "lora_target_linear: true adds every linear layer")
+    elif "lora_target_linear" in raw:
+        c.note("lora_target_linear", "off")
+    if not c.get("lora_target_linear"):
+        _lora_targets(c, "lora_target_modules")
+    if c.get("peft_use_rslora"):
+        c.put("peft_use_rslora", "lora.use_rslora", True)
+    if c.has("chat_template"):
+        _chat_template(c, "chat_template", c.get("chat_template"), "data.chat_template")
+    if c.get("flash_attention") is False:
+        c.put("flash_attention", "model.attn_backend", "sdpa")
+    elif c.get("flash_attention"):
+        c.note("flash_attention", "model.attn_backend auto: varlen flash attention on a CUDA GPU")
+    _wandb(c)
+    _axolotl_datasets(c, "datasets", "data.sources")
+    if c.has("test_datasets"):
+        _axolotl_datasets(c, "test_datasets", "data.eval_sources")
+    ignorable = {k: v for k, v in AXOLOTL_IGNORABLE.items() if v}
+    return c.finish(ignorable)
+
+
+def _wandb(c: _Converter) -> None:
+    keys = [k for k in c.raw if k.startswith("wandb_")]
+    for k in keys:
+        if c.has(k):
+            c.refuse(k, "gapless exports to W&B after the run: `gapless report RUN --wandb` (offline by default)")
+        else:
+            c.note(k, "empty: no W&B")
+
+
+def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
+    if value in ("tokenizer_default", "tokenizer_default_fallback_chatml"):
+        c.note(key, "the tokenizer's chat template (data.chat_template unset)")
+    elif value == "chatml":
+        c.put(key, dotted, CHATML, "ChatML as Jinja")
+    elif value == "jinja":
+        tpl = c.get("chat_template_jinja")
+        if tpl:
+            c.put("chat_template_jinja", dotted, tpl)
+            c.note(key, "the template in chat_template_jinja")
+        else:
+            c.refuse(key, "jinja without chat_template_jinja")
+    else:
+        c.refuse(key, f"gapless takes the tokenizer's template, chatml, or Jinja (data.chat_template); "
+                      f"{value!r} is a template name it does not ship")
+
+
+def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
+    entries = c.get(key)
+    if not isinstance(entries, list) or not entries:
+        c.refuse(key, "expected a list of {path, type} entries")
+        return
+    sources = []
+    for i, d in enumerate(entries):
+        where = f"{key}[{i}]"
+        if not isinstance(d, dict) or "path" not in d:
+            c.refused.append(f"{where}: expected a mapping with path and type")
+            continue
+        src, notes, bad = _axolotl_dataset(d)
+        for k, why in bad:
+            c.refused.append(f"{where}.{k}: {_show(d.get(k))}: {why}")
+        sources.append(src)
+        c.conv.applied.append((f"{where}: path {d['path']}, type {_show(d.get('type'))}",
+                               f"{dotted}[{i}]: {src}" + (f"  ({'; '.join(notes)})" if notes else "")))
+    _set(c.out, dotted, sources)
+
+
+def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
+    """One entry of Axolotl's `datasets:` as a gapless source: (source, notes, refused (key, why))."""
+    src: dict = {"path": str(d["path"])}
+    notes, bad = [], []
+    kind = d.get("type")
+    known = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
+             "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
+             "conversation", "field_human", "field_model", "field_system", "chat_template", "name",
+             "data_files", "train_on_split", "shards", "field"}
+    for k in d:
+        if k not in known:
+            bad.append((k, "no gapless equivalent for this dataset key"))
+    if d.get("split") not in (None, "train"):
+        bad.append(("split", "gapless reads the whole file; split it into its own file"))
+    if d.get("data_files"):
+        bad.append(("data_files", "give the file itself as path"))
+    if d.get("ds_type") not in (None, "json", "jsonl", "parquet", "csv", "arrow"):
+        bad.append(("ds_type", "gapless reads .jsonl/.json/.parquet/.csv/.arrow files"))
+    if d.get("name"):
+        src["name"] = str(d["name"])
+    if isinstance(kind, dict):  # a custom alpaca-style mapping: {field_instruction, field_input, field_output, ...}
+        src["format"] = "alpaca"
+        columns = {}
+        for ours, theirs in (("instruction", "field_instruction"), ("input", "field_input"),
+                             ("output", "field_output"), ("system", "field_system")):
+            if kind.get(theirs):
+                columns[ours] = kind[theirs]
+        for k in kind:
+            if k not in ("field_instruction", "field_input", "field_output", "field_system"):
+                bad.append((f"type.{k}", "custom prompt formats are not supported; the chat template renders "
+                                         "instruction (+ input) as the user turn"))
+        src["columns"] = columns
+        notes.append("rendered through the chat template, not a custom prompt format")
+    elif kind in ("alpaca", "alpaca_chat"):
+        src["format"] = "alpaca"
+        notes.append("the user turn is instruction (+ input), through the chat template rather than "
+                     "Alpaca's 'Below is an instruction' prompt")
+    elif kind in ("sharegpt", "chat_template"):
+        src["format"] = "messages" if kind == "chat_template" else "sharegpt"
+        field_messages = d.get("field_messages") or d.get("field")
+        role, content = None, None
+        mappings = d.get("message_property_mappings") or {}
+        role = mappings.get("role") or d.get("message_field_role")
+        content = mappings.get("content") or d.get("message_field_content")
+        columns = {}
+        if kind == "sharegpt":
+            if field_messages and field_messages != "conversations":
+                columns["conversations"] = field_messages
+            if role and role != "from":
+                columns["from"] = role
+            if content and content != "value":
+                columns["value"] = content
+            if d.get("field_system"):
+                columns["system"] = d["field_system"]
+        else:
+            if field_messages and field_messages != "messages":
+                columns["messages"] = field_messages
+            if role and role != "role":
+                columns["role"] = role
+            if content and content != "content":
+                columns["content"] = content
+        if columns:
+            src["columns"] = columns
+        roles = {}
+        for ours, theirs in (d.get("roles") or {}).items():
+            for name in ([theirs] if isinstance(theirs, str) else theirs):
+                roles[name] = ours
+        for k, ours in (("field_human", "user"), ("field_model", "assistant")):
+            if d.get(k):
+                roles[d[k]] = ours
+        if roles:
+            src["roles"] = roles
+        if d.get("roles_to_train") not in (None, ["assistant"], ["gpt"], ["assistant", "gpt"]):
+            bad.append(("roles_to_train", "gapless trains assistant turns (data.train_on: assistant | "
+                                          "last_assistant | all)"))
+        if d.get("train_on_eos") not in (None, "turn"):
+            bad.append(("train_on_eos", "gapless trains each assistant turn's end token (Axolotl's 'turn')"))
+        conversation = d.get("conversation")
+        if conversation not in (None, "chatml"):
+            bad.append(("conversation", f"{conversation!r}: gapless ships chatml; for others set "
+                                        "data.chat_template to the Jinja"))
+        elif conversation == "chatml":
+            notes.append("conversation chatml: set top-level chat_template: chatml to render it as ChatML")
+        if d.get("chat_template") not in (None, "tokenizer_default"):
+            bad.append(("chat_template", "a per-dataset template; set the top-level chat_template"))
+    elif kind in ("completion", "pretrain"):
+        src["format"] = "text"
+        if d.get("field"):
+            src["columns"] = {"text": d["field"]}
+    else:
+        bad.append(("type", "gapless reads alpaca, sharegpt, chat_template and completion datasets"))
+    return src, notes, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL
+
+
+TRL_IGNORABLE = {
+    "logging_dir": "gapless logs to RUN/metrics.jsonl",
+    "overwrite_output_dir": "gapless writes into output_dir",
+    "do_train": "gapless train trains",
+    "save_strategy": None, "eval_strategy": None, "evaluation_strategy": None, "logging_strategy": None,
+    "torch_dtype": None, "dtype": None,
+    "attn_implementation": "model.attn_backend auto picks the fastest that runs",
+    "dataset_train_split": None,
+    "model_init_kwargs": None,
+}
+
+
+def convert_trl(raw: dict) -> Conversion:
+    c = _Converter(raw, "trl")
+    # max_seq_length: SFTConfig's name for max_length before TRL 0.20
+    seq = _model_and_length(c, "model_name_or_path", "max_seq_length" if "max_seq_length" in raw else "max_length",
+                            1024, "SFTConfig")
+    packing = bool(c.get("packing"))
+    _set(c.out, "data.batching", "packed" if packing else "padded")
+    if "packing" in raw:
+        c.put("packing", "data.batching", "packed" if packing else "padded")
+    _batch(c, "per_device_train_batch_size", seq, packing)
+    _one_to_one(c, SHARED_KEYS)
+    _schedule(c, "lr_scheduler_type")
+    _warmup(c)
+    if c.has("num_train_epochs"):
+        c.put("num_train_epochs", "train.epochs", float(c.get("num_train_epochs")))
+    if c.has("max_steps"):
+        if int(c.get("max_steps")) > 0:
+            c.put("max_steps", "train.steps", int(c.get("max_steps")))
+        else:
+            c.note("max_steps", "-1: the epochs decide")
+    _optimizer(c, "optim")
+    _precision(c)
+    for key in ("torch_dtype", "dtype"):
+        value = c.get(key)
+        if value not in (None, "auto") and value not in ("bfloat16", "float16", "float32"):
+            c.refuse(key, "expected bfloat16, float16 or float32")
+        elif value in ("bfloat16", "float16", "float32"):
+            c.put(key, "model.dtype", value)
+    if c.has("gradient_checkpointing"):
+        if c.get("gradient_checkpointing"):
+            c.put("gradient_checkpointing", "model.activation_checkpointing", 1, "every layer")
+        else:
+            c.note("gradient_checkpointing", "off")
+    strategy = c.get("save_strategy", "steps")
+    if strategy == "steps" and c.has("save_steps"):
+        c.put("save_steps", "checkpoint.every", int(c.get("save_steps")))
+    elif strategy == "no":
+        c.put("save_strategy", "checkpoint.every", 0)
+    elif strategy not in ("steps",):
+        c.refuse("save_strategy", "gapless saves every N steps (save_strategy: steps, save_steps: N)")
+    eval_strategy = c.get("eval_strategy", c.get("evaluation_strategy", "no"))
+    if eval_strategy == "steps" and c.has("eval_steps"):
+        c.put("eval_steps", "train.eval_every", int(c.get("eval_steps")))
+    elif eval_strategy not in ("no", "steps"):
+        c.refuse("eval_strategy", "gapless evaluates every N steps (eval_strategy: steps, eval_steps: N)")
+    elif c.has("eval_steps") and eval_strategy == "no":
+        c.note("eval_steps", "eval_strategy is no: not evaluated")
+    if c.get("logging_strategy", "steps") != "steps":
+        c.refuse("logging_strategy", "gapless logs every N steps (logging_steps)")
+    report_to = c.get("report_to")
+    if report_to in ("none", [], None, ["none"]):
+        if "report_to" in raw:
+            c.note("report_to", "none")
+    else:
+        c.refuse("report_to", "gapless exports after the run: `gapless report RUN --tensorboard --wandb`")
+    # the data: one local source
+    dataset = c.get("dataset_name")
+    source: dict = {}
+    if dataset is None:
+        c.refused.append("dataset_name: missing; give the local data file or folder")
+    else:
+        source["path"] = str(dataset)
+    if c.has("dataset_text_field"):
+        source.update(format="text", columns={"text": c.get("dataset_text_field")})
+    if source:
+        _set(c.out, "data.sources", [source])
+        c.conv.applied.append((f"dataset_name: {dataset}", f"data.sources[0]: {source}"))
+    if c.get("dataset_train_split") not in (None, "train"):
+        c.refuse("dataset_train_split", "gapless reads the whole file; split it into its own file")
+    # the loss mask: TRL trains everything of a conversation unless assistant_only_loss; completions only for
+    # prompt-completion data (completion_only_loss None = True there)
+    if c.get("assistant_only_loss"):
+        c.put("assistant_only_loss", "data.train_on", "assistant")
+    else:
+        c.conv.applied.append(("assistant_only_loss: " + _show(raw.get("assistant_only_loss", False)),
+                               "data.train_on: all  (TRL trains every token of a conversation by default)"))
+        _set(c.out, "data.train_on", "all")
+    if c.get("completion_only_loss") is False:
+        c.refuse("completion_only_loss", "gapless trains the completion of prompt-completion data only")
+    elif "completion_only_loss" in raw:
+        c.note("completion_only_loss", "prompt-completion data trains the completion")
+    # the method: use_peft (PEFT's LoRA), load_in_4bit (QLoRA), else full fine-tuning
+    if c.get("use_peft"):
+        c.method("use_peft", "qlora" if c.get("load_in_4bit") else "lora")
+        if c.get("load_in_4bit"):
+            c.note("load_in_4bit", "QLoRA: the base in 4 bits")
+    else:
+        c.method("use_peft", "full")  # TRL without PEFT fine-tunes every weight
+    if c.get("load_in_8bit"):
+        c.refuse("load_in_8bit", "8-bit bases are not supported")
+    for key in ("load_in_4bit", "load_in_8bit"):
+        if key in raw and not raw[key]:
+            c.note(key, "off")
+    _lora_targets(c, "lora_target_modules")
+    if c.get("use_rslora"):
+        c.put("use_rslora", "lora.use_rslora", True)
+    if c.has("chat_template_path"):
+        c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
+    ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
+    return c.finish(ignorable)
+
+
+def convert(raw: dict, fmt: str | None = None) -> Conversion:
+    """The gapless config dict of an Axolotl or TRL mapping (fmt None: detected)."""
+    fmt = fmt or detect(raw)
+    if fmt == "axolotl":
+        return convert_axolotl(raw)
+    if fmt == "trl":
+        return convert_trl(raw)
+    return Conversion(raw, "gapless")
+
+
+def load_any(path: str | Path, overrides: list[str] = (), out=None) -> RunConfig:
+    """The run config of a gapless, Axolotl or TRL YAML file, overrides applied (as gapless keys); prints the
+    mapping a conversion applied to `out` (stderr by default)."""
+    import sys
+
+    from gapless.config import load_config, read_yaml
+
+    raw = read_yaml(path)
+    fmt = detect(raw)
+    if fmt == "gapless":
+        return load_config(path, overrides)
+    conv = convert(raw, fmt)
+    print(conv.format(), file=out or sys.stderr)
+    return load_config(data=conv.config, overrides=overrides)
+
+
+def write_gapless_yaml(src: str | Path, out: str | Path) -> Conversion:
+    """`gapless convert-config IN --out OUT`: the converted config, checked by building it, written as YAML."""
+    import yaml
+
+    from gapless.config import from_dict, read_yaml
+
+    raw = read_yaml(src)
+    fmt = detect(raw)
+    if fmt == "gapless":
+        raise ValueError(f"{src}: already a gapless config (every top-level key is a gapless field)")
+    conv = convert(raw, fmt)
+    from_dict(RunConfig, conv.config, str(src))  # the result must be a valid gapless config
+    header = f"# converted by `gapless convert-config` from {src} ({fmt})\n"
+    Path(out).write_text(header + yaml.safe_dump(conv.config, sort_keys=False))
+    return conv

@@ -1,0 +1,228 @@
+"""Axolotl and TRL configs, written from their public documentation (Axolotl's config reference and dataset
+formats pages; TRL's SFTConfig and `trl sft --config` YAML), convert to gapless configs and train a few steps on
+the demo's tiny Llama; what gapless cannot honour is refused, every key named at once."""
+import json
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gapless import demo_task
+from gapless.cli import main
+from gapless.config import ALL_LINEAR, from_dict, RunConfig
+from gapless.convert import check_run_paths, convert, detect, load_any
+from gapless.demo import write_base_model
+from gapless.train.loop import train
+
+# Axolotl's documented keys (docs.axolotl.ai/docs/config-reference.html), a LoRA run as its examples write it
+AXOLOTL = """
+base_model: {model}
+model_type: AutoModelForCausalLM
+tokenizer_type: AutoTokenizer
+load_in_8bit: false
+load_in_4bit: false
+strict: false
+chat_template: tokenizer_default
+datasets:
+  - path: {alpaca}
+    type: alpaca
+  - path: {sharegpt}
+    type: sharegpt
+    roles:
+      user: [human]
+      assistant: [gpt]
+  - path: {chat}
+    type: chat_template
+    field_messages: conversation
+    message_property_mappings:
+      role: speaker
+      content: text
+    roles_to_train: ["assistant"]
+dataset_prepared_path:
+val_set_size: 0.05
+output_dir: {out}
+sequence_len: 64
+sample_packing: true
+pad_to_sequence_len: true
+adapter: lora
+lora_model_dir:
+lora_r: 4
+lora_alpha: 8
+lora_dropout: 0.0
+lora_target_linear: true
+wandb_project:
+wandb_entity:
+gradient_accumulation_steps: 2
+micro_batch_size: 2
+num_epochs: 1
+max_steps: 3
+optimizer: adamw_torch
+lr_scheduler: cosine
+learning_rate: 0.0002
+weight_decay: 0.0
+warmup_steps: 1
+train_on_inputs: false
+group_by_length: false
+bf16: false
+fp16: false
+tf32: false
+gradient_checkpointing: true
+logging_steps: 1
+flash_attention: false
+eval_steps: 2
+save_steps: 2
+"""
+
+# TRL's SFTConfig / TrainingArguments fields as `trl sft --config sft.yaml` reads them, with the script and
+# PEFT model arguments (huggingface.co/docs/trl/sft_trainer, clis)
+TRL = """
+model_name_or_path: {model}
+dataset_name: {chat}
+output_dir: {out}
+max_length: 64
+packing: true
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 1
+learning_rate: 2.0e-4
+lr_scheduler_type: linear
+warmup_ratio: 0.1
+num_train_epochs: 1
+max_steps: 3
+optim: adamw_torch
+weight_decay: 0.01
+max_grad_norm: 1.0
+bf16: false
+gradient_checkpointing: false
+logging_steps: 1
+save_strategy: steps
+save_steps: 3
+eval_strategy: "no"
+seed: 7
+report_to: none
+assistant_only_loss: true
+use_peft: true
+lora_r: 4
+lora_alpha: 8
+lora_dropout: 0.0
+lora_target_modules: all-linear
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("convert")
+    examples = demo_task.make_examples(60, seed=1)
+    pairs = [(e["messages"][0]["content"], e["messages"][1]["content"]) for e in examples]
+    alpaca = root / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": q, "input": "", "output": a}) + "\n" for q, a in pairs))
+    sharegpt = root / "sharegpt.jsonl"
+    sharegpt.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": q},
+                                                              {"from": "gpt", "value": a}]}) + "\n"
+                                for q, a in pairs))
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"conversation": [{"speaker": "user", "text": q},
+                                                         {"speaker": "assistant", "text": a}]}) + "\n"
+                            for q, a in pairs))
+    trl_chat = root / "trl_chat.jsonl"
+    demo_task.write_jsonl(examples, trl_chat)
+    return {"root": root, "model": write_base_model(root / "base", seed=0), "alpaca": alpaca,
+            "sharegpt": sharegpt, "chat": chat, "trl_chat": trl_chat}
+
+
+def write(files, text: str, name: str, **fmt) -> Path:
+    path = files["root"] / name
+    path.write_text(text.format(**{**{k: v for k, v in files.items()}, **fmt}))
+    return path
+
+
+def cpu(files) -> list[str]:
+    return ["model.device=cpu", "model.dtype=float32", f"data.cache_dir={files['root'] / 'cache'}",
+            "data.num_workers=0", "progress=false"]
+
+
+def test_axolotl_converts_every_key_and_trains(files, capsys):
+    path = write(files, AXOLOTL, "axolotl.yaml", out=files["root"] / "run_axolotl")
+    raw = yaml.safe_load(path.read_text())
+    assert detect(raw) == "axolotl"
+    cfg = load_any(path, cpu(files))
+    printed = capsys.readouterr().err
+    assert "axolotl config -> gapless" in printed and "lora_r: 4" in printed and "lora.r: 4" in printed
+    assert cfg.model.path == str(files["model"])
+    assert [s.format for s in cfg.data.sources] == ["alpaca", "sharegpt", "messages"]
+    assert cfg.data.sources[1].roles == {"human": "user", "gpt": "assistant"}
+    assert cfg.data.sources[2].columns == {"messages": "conversation", "role": "speaker", "content": "text"}
+    assert (cfg.data.max_seq_len, cfg.data.batching, cfg.data.tokens_per_batch) == (64, "packed", 128)
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8.0, list(ALL_LINEAR))
+    assert (cfg.train.grad_accum, cfg.train.steps, cfg.train.eval_every, cfg.checkpoint.every) == (2, 3, 2, 2)
+    assert (cfg.optim.lr, cfg.schedule.kind, cfg.schedule.warmup_steps) == (2e-4, "cosine", 1)
+    assert cfg.data.eval_fraction == 0.05 and cfg.model.activation_checkpointing == 1
+    assert cfg.data.train_on == "assistant"
+    # every key of the file appears in the printed mapping
+    for key in raw:
+        assert f"\n  {key}" in printed or f"\n  {key}:" in printed, key
+    result = train(cfg)
+    assert result.steps == 3 and len(result.losses) == 3 and (result.run_dir / "adapter").is_dir()
+
+
+def test_trl_converts_and_trains(files, capsys):
+    path = write(files, TRL, "trl.yaml", out=files["root"] / "run_trl", chat=files["trl_chat"])
+    assert detect(yaml.safe_load(path.read_text())) == "trl"
+    cfg = load_any(path, cpu(files))
+    assert "trl config -> gapless" in capsys.readouterr().err
+    assert (cfg.data.max_seq_len, cfg.data.batching, cfg.data.tokens_per_batch) == (64, "packed", 128)
+    assert (cfg.schedule.kind, cfg.schedule.warmup_ratio, cfg.optim.weight_decay) == ("linear", 0.1, 0.01)
+    assert (cfg.train.seed, cfg.train.steps, cfg.checkpoint.every, cfg.data.train_on) == (7, 3, 3, "assistant")
+    assert cfg.lora.target_modules == list(ALL_LINEAR) and cfg.method == "lora"
+    result = train(cfg)
+    assert len(result.losses) == 3 and (result.run_dir / "adapter").is_dir()
+
+
+def test_refuses_every_key_it_cannot_honour(files):
+    text = AXOLOTL.replace("adapter: lora", "adapter: qlora").replace("optimizer: adamw_torch",
+                                                                       "optimizer: paged_adamw_8bit")
+    text = text.format(**files, out="x").replace("wandb_project:\n", "wandb_project: mine\n")
+    raw = yaml.safe_load(text + "deepspeed: deepspeed_configs/zero2.json\nlr_scheduler_kwargs: {a: 1}\n")
+    with pytest.raises(ValueError) as e:
+        convert(raw)
+    msg = str(e.value)
+    for key in ("optimizer", "deepspeed", "wandb_project", "lr_scheduler_kwargs"):
+        assert f"\n  {key}:" in msg, key
+    if "qlora" not in typing.get_args(typing.get_type_hints(RunConfig)["method"]):  # until QLoRA lands
+        assert "adapter: qlora" in msg and "method 'qlora'" in msg
+
+
+def test_dataset_keys_refused_by_entry(files):
+    raw = {"base_model": str(files["model"]), "datasets": [{"path": "x.jsonl", "type": "oasst"},
+                                                            {"path": "y.jsonl", "type": "alpaca", "split": "test"}],
+           "adapter": "lora"}
+    with pytest.raises(ValueError, match=r"(?s)datasets\[0\]\.type.*datasets\[1\]\.split"):
+        convert(raw)
+
+
+def test_hub_ids_name_the_field():
+    cfg = from_dict(RunConfig, {"model": {"path": "meta-llama/Llama-3.2-1B"},
+                                "data": {"sources": [{"path": "./train.jsonl"}, {"path": "HuggingFaceH4/ultrachat"}]}})
+    with pytest.raises(ValueError) as e:
+        check_run_paths(cfg)
+    msg = str(e.value)
+    assert msg.startswith("model.path: 'meta-llama/Llama-3.2-1B' looks like a Hugging Face hub id")
+    assert "local folder" in msg and "data.sources[1].path" in msg and "sources[0]" not in msg
+
+
+def test_train_cli_hub_id(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: meta-llama/Llama-3.2-1B}\ndata: {sources: [{path: train.jsonl}]}\n")
+    assert main(["train", str(cfg)]) == 2
+    assert "model.path: 'meta-llama/Llama-3.2-1B' looks like a Hugging Face hub id" in capsys.readouterr().err
+
+
+def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
+    path = write(files, TRL, "trl2.yaml", out=tmp_path / "run", chat=files["trl_chat"])
+    out = tmp_path / "gapless.yaml"
+    assert main(["convert-config", str(path), "--out", str(out)]) == 0
+    assert "trl config -> gapless" in capsys.readouterr().out
+    written = yaml.safe_load(out.read_text())
+    assert detect(written) == "gapless"
+    cfg = from_dict(RunConfig, written)
+    assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4

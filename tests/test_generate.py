@@ -1,0 +1,113 @@
+"""Generation: the KV cache gives the logits of a full forward; greedy decoding is deterministic and equals
+decoding without the cache (base, adapter, sliding window); sampling follows its seed; the CLI prints tokens/s."""
+import io
+import json
+
+import pytest
+import torch
+
+from gapless import demo_task
+from gapless.cli import main
+from gapless.config import load_config
+from gapless.demo import write_base_model
+from gapless.model.generate import KVCache, encode_chat, generate_ids, load_for_generation, next_token, stop_ids
+from gapless.model.loading import load_model
+from gapless.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """The demo's tiny Llama fine-tuned for 12 LoRA steps on its task: a run folder with adapter/."""
+    root = tmp_path_factory.mktemp("generate")
+    base = write_base_model(root / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), root / "train.jsonl")
+    cfg = load_config(data={
+        "model": {"path": str(base), "dtype": "float32", "device": "cpu"},
+        "data": {"sources": [{"path": str(data)}], "max_seq_len": 64, "tokens_per_batch": 256,
+                 "cache_dir": str(root / "cache"), "num_workers": 0},
+        "lora": {"r": 8, "alpha": 16}, "optim": {"lr": 5e-3}, "train": {"steps": 12, "log_every": 6},
+        "output_dir": str(root / "run"), "progress": False})
+    train(cfg)
+    return {"root": root, "base": base, "run": root / "run", "data": data}
+
+
+def test_cache_gives_the_full_forward_logits(trained):
+    model = load_model(trained["base"])
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.args.vocab_size, (1, 12))
+    full = model(ids)
+    cache = KVCache(len(model.model.layers))
+    parts = [model.lm_head(model.hidden_states(ids[:, :7], position_ids=torch.arange(7)[None], cache=cache))]
+    for t in range(7, 12):
+        parts.append(model.lm_head(model.hidden_states(ids[:, t:t + 1], position_ids=torch.tensor([[t]]),
+                                                       cache=cache)))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+@pytest.mark.parametrize("what", ["base", "run"])
+def test_greedy_is_deterministic_and_equals_no_cache(trained, what):
+    loaded = load_for_generation(trained[what], device="cpu")
+    stop = stop_ids(loaded.tokenizer, loaded.model)
+    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": "shift: hello"}])
+    runs = [generate_ids(loaded.model, prompt, max_new_tokens=16, stop=stop) for _ in range(2)]
+    plain = generate_ids(loaded.model, prompt, max_new_tokens=16, stop=stop, use_cache=False)
+    assert runs[0].tokens == runs[1].tokens == plain.tokens
+    assert len(plain.tokens) >= 1
+
+
+@pytest.mark.parametrize("family,config", [("mistral", {"sliding_window": 4}),
+                                           ("gemma2", {"sliding_window": 4, "head_dim": 16})])
+def test_sliding_window_cache_equals_no_cache(hf_checkpoint, family, config):
+    """Mistral's window on every layer; Gemma 2's on alternate layers, with soft-capped scores and logits."""
+    _, folder = hf_checkpoint(family, **config)
+    model = load_model(folder)
+    assert 4 in model.args.sliding_window
+    prompt = list(range(3, 12))
+    a = generate_ids(model, prompt, max_new_tokens=10)
+    b = generate_ids(model, prompt, max_new_tokens=10, use_cache=False)
+    assert a.tokens == b.tokens and len(a.tokens) == 10 and a.stopped == "length"
+
+
+def test_sampling_follows_its_seed(trained):
+    model = load_model(trained["base"])
+    prompt = [1, 3, 10, 11, 12]
+    a = generate_ids(model, prompt, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=5)
+    b = generate_ids(model, prompt, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=5)
+    assert a.tokens == b.tokens
+    # a nucleus this small keeps only the most likely token: greedy
+    assert generate_ids(model, prompt, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=1).tokens == \
+        generate_ids(model, prompt, max_new_tokens=8).tokens
+
+
+def test_top_p_keeps_the_smallest_prefix():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    g = torch.Generator().manual_seed(0)
+    seen = {int(next_token(logits, 1.0, 0.75, g)) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are cut
+    assert int(next_token(logits, 0.0, 1.0, None)) == 0
+
+
+def test_cli_generate_prints_reply_and_tokens_per_s(trained, capsys):
+    assert main(["generate", str(trained["run"]), "--prompt", "shift: abcd", "--max-new-tokens", "8",
+                 "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "loaded adapter" in captured.err and "tokens/s" in captured.err
+    assert len(captured.out.splitlines()) == 1
+
+
+def test_cli_chat_keeps_the_conversation(trained, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("shift: abcd\nshift: wxyz\n/exit\n"))
+    assert main(["chat", str(trained["run"]), "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("model> ") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_equals_no_cache(trained):
+    loaded = load_for_generation(trained["run"], device="cuda", dtype="float32")
+    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": "shift: hello"}])
+    a = generate_ids(loaded.model, prompt, max_new_tokens=16)
+    b = generate_ids(loaded.model, prompt, max_new_tokens=16, use_cache=False)
+    assert a.tokens == b.tokens
