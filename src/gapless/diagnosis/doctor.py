@@ -523,17 +523,37 @@ def check_cache(summary) -> list[Finding]:
     return _f("cfg.cache", "ok", f"the token cache is warm for all {len(summary.sources)} source(s)")
 
 
-def check_memory(cfg: RunConfig, env: dict, params: int | None) -> list[Finding]:
-    note = "the micro-batch against memory is not predicted: needs methods: (the memory model, issue 14)"
-    if params is None or not _is_gpu(cfg, env):
-        return _f("cfg.memory", "info", note if params is None else f"{NO_GPU}; {note}")
-    gpu = _gpus(env)[0]
-    weights = params * (4 if cfg.model.dtype == "float32" else 2) / 2**30
-    if weights > 0.9 * gpu["memory_gib"]:
-        return _f("cfg.memory", "error", f"the weights alone take {weights:.1f} GiB of {gpu['name']}'s "
-                  f"{gpu['memory_gib']:.0f} GiB", "the run does not fit one GPU",
-                  "a smaller model, or QLoRA/FSDP2 when they land (issues 14, 15)")
-    return _f("cfg.memory", "info", f"weights {weights:.1f} GiB of {gpu['memory_gib']:.0f} GiB; {note}")
+def check_memory(cfg: RunConfig, env: dict, args) -> list[Finding]:
+    """The run's predicted peak (gapless.meter.memory: weights, trainable copies, gradients, optimizer state,
+    activations of the micro-batch, the loss's chunk, the allocator's reserve) against the GPU's memory."""
+    from gapless.meter.memory import estimate_memory, max_tokens
+
+    if args is None:
+        return _f("cfg.memory", "info", "the model's config.json was not read: memory not predicted")
+    tokens = cfg.data.tokens_per_batch
+    if tokens == "auto":
+        return _f("cfg.memory", "ok", "data.tokens_per_batch auto: the batch finder sizes the micro-batch to about "
+                  "90% of the free memory, backed off 10%")
+    gpu = _is_gpu(cfg, env)
+    kwargs = dict(dtype=cfg.model.dtype, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
+                  activation_checkpointing=cfg.model.activation_checkpointing,
+                  compiled=cfg.model.compile is True or (cfg.model.compile == "auto" and gpu))
+    peak = estimate_memory(args, cfg.method, tokens=tokens, **kwargs).total_gib
+    what = f"predicted peak {peak:.1f} GiB at {tokens:,} tokens per micro-batch ({cfg.method})"
+    if not gpu:
+        return _f("cfg.memory", "info", f"{NO_GPU}; {what} (`gapless train CONFIG --dry-run` shows the table)")
+    g = _gpus(env)[0]
+    cap = g["memory_gib"]
+    if peak > 0.95 * cap:
+        fit = max_tokens(args, cfg.method, 0.9 * cap, **kwargs)
+        fix = (f"data.tokens_per_batch: {fit:,} (or auto)" if fit >= cfg.data.max_seq_len else
+               "method: qlora, model.activation_checkpointing: 1, or FSDP2 over several GPUs (gapless plan)")
+        return _f("cfg.memory", "error", f"{what} against {g['name']}'s {cap:.0f} GiB",
+                  "the run does not fit: out of memory at the first step", fix)
+    if peak > 0.9 * cap:
+        return _f("cfg.memory", "warning", f"{what}: {peak / cap:.0%} of {g['name']}'s {cap:.0f} GiB",
+                  "little headroom: fragmentation can end the run out of memory", "data.tokens_per_batch: auto")
+    return _f("cfg.memory", "ok", f"{what}: {peak / cap:.0%} of {g['name']}'s {cap:.0f} GiB")
 
 
 def check_precision(cfg: RunConfig, env: dict) -> list[Finding]:
@@ -645,7 +665,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
 
     from dataclasses import replace
 
-    from gapless.diagnosis.plan import flops_per_token, model_params
+    from gapless.diagnosis.plan import flops_per_token
     from gapless.meter.flops import matmul_weights
     from gapless.model.loading import read_model_args
     from gapless.model.method import method_of
@@ -684,7 +704,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     # the run's folder holds (keep + 1) checkpoints while the newest is written, plus the final adapter
     findings += check_disk(out_dir, ckpt * (cfg.checkpoint.keep + 2), write_bps)
     findings += check_logging(cfg)
-    findings += check_memory(cfg, env, model_params(args) if args else None)
+    findings += check_memory(cfg, env, args)
     findings += check_precision(cfg, env) + check_activation_checkpointing(cfg) + check_compile(cfg, env)
     return {"findings": findings, "facts": facts}
 
