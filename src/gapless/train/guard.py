@@ -56,8 +56,6 @@ class NonFinite:
 
     def add(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """Count this step; returns its device bool `bad` for the caller's own sums."""
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards; its full value, as a tensor
-            grad_norm = grad_norm.full_tensor()
         bad = ~torch.isfinite(grad_norm)
         self.window += bad
         self.consecutive.mul_(bad).add_(bad)  # +1 on a bad step, back to 0 on a good one

@@ -109,11 +109,15 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float) -> Tensor:
     if not with_grad:
         return torch.zeros(())
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)  # foreach on CUDA by default
-    grads = [p.grad for p in with_grad]
-    # the same norm clip_grad_norm_ computes (per-tensor norms, then the norm of those), without the
-    # rescale; torch.nn.utils.get_total_norm does this but needs torch >= 2.6
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)  # foreach on CUDA by default
+    else:
+        grads = [p.grad for p in with_grad]
+        # the same norm clip_grad_norm_ computes (per-tensor norms, then the norm of those), without the
+        # rescale; torch.nn.utils.get_total_norm does this but needs torch >= 2.6
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+    # FSDP2's sharded gradients give a DTensor norm; its full value as a plain tensor, for every reader (the NaN
+    # guard, the loss scaler, the logged grad_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class MasterWeights:
