@@ -21,25 +21,16 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from gapless import demo_task
 from gapless.config import load_config
 from gapless.data.batching import BatchSampler, Mixture
 from gapless.data.sharding import ShardedSampler, split_rows, spread
-from gapless.demo import write_base_model
+from test_loop import base  # noqa: F401  (the demo's tiny Llama and 200 records: one fixture for both)
 
 STEPS = 4
 # float32: the sum over ranks reorders one process's additions (gradients differ by ~1e-7); Adam divides by
 # sqrt(v), so an element whose gradient is near 0 moves by up to lr=1e-2 per step whatever its size: after 4 steps
 # the worst element measured 3.4e-6 apart (of updates up to 4e-2)
 TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("dist")
-    model_dir = write_base_model(root / "base", seed=0)
-    data = demo_task.write_jsonl(demo_task.make_examples(200, seed=1), root / "data" / "train.jsonl")
-    return {"root": root, "model": model_dir, "data": data, "cache": root / "cache"}
 
 
 def raw_config(base: dict, out: str, **overrides) -> dict:
