@@ -7,6 +7,9 @@
 #   bash bench/run_gpu.sh methods  QLoRA, full and LoRA-with-dropout on Llama-3.2-3B, HF+PEFT+bitsandbytes QLoRA beside
 #                                  (carry the bitsandbytes wheel in .whl/bnb/)
 #   bash bench/run_gpu.sh methods2 Llama-3.1-8B QLoRA at 8,192 tokens, Gemma-3-4B LoRA, HF+PEFT+Liger packed
+#   bash bench/run_gpu.sh methods3 QLoRA beside LoRA on Llama-3.2-3B, Llama-3.1-8B QLoRA with checkpointing at 8,192
+#                                  tokens (the 24 GiB card), HF+PEFT+bitsandbytes QLoRA, the methods' GPU tests, and
+#                                  Llama-3.2-1B LoRA/QLoRA/full for the memory model's check (bench/memory_check.py)
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -68,6 +71,14 @@ elif [[ $MODE == methods ]]; then
   # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
   bench 120 --model $M3 --config qlora_best,full_best,best_dropout,best
   if [[ -n $QPEERS ]]; then bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs $QPEERS; fi
+elif [[ $MODE == methods3 ]]; then
+  bench 420 --model $M3 --config qlora_best,best
+  bench 330 --model bench/models/llama-3.1-8b --config qlora_ckpt --tokens-per-batch 8192
+  if [[ -n $QPEERS ]]; then bench 230 --model $M3 --peers --peers-dir bench/peers --peers-configs $QPEERS; fi
+  timeout -k 10 $(( $(left 90) > 20 ? $(left 90) : 20 )) "$PY" -m pytest -q -m gpu tests/test_nf4.py tests/test_qlora.py \
+    tests/test_kernels_lora.py tests/test_generate.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log"
+  bench 0 --model bench/models/llama-3.2-1b --config best,qlora_best,full_best
+  "$PY" bench/memory_check.py --run-id "$RUN_ID" 2>&1 | tee "$OUT/memory_check.txt"
 elif [[ $MODE == methods2 ]]; then
   # Llama-3.1-8B QLoRA at max_seq_len 4096 with 8,192 tokens per micro-batch (the 24 GiB card question),
   # Gemma-3-4B LoRA beside Llama-3.2-3B's, and HF+PEFT+Liger packed
