@@ -142,6 +142,9 @@ CONFIGS = {
     "qlora_ckpt": Recipe("packed", "varlen", "fused_compiled", checkpoint=True, compile=True, lora_kernel="grouped",
                          method="qlora"),
     "full_best": Recipe("packed", "varlen", "fused_compiled", compile=True, method="full"),
+    # best with every layer checkpointed: qlora_ckpt's LoRA twin, so checkpointing's memory under compile is seen
+    # apart from QLoRA's
+    "best_ckpt": Recipe("packed", "varlen", "fused_compiled", checkpoint=True, compile=True, lora_kernel="grouped"),
     # best and best_fa4 with LoRA inside the base GEMMs (lora.kernel "concat", gapless.kernels.lora): one GEMM of x
     # with [W; A] per group of projections, forward and for dx; the default stays grouped until these measure faster
     "best_concat": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="concat"),
