@@ -10,6 +10,8 @@
 #   bash bench/run_gpu.sh methods3 QLoRA beside LoRA on Llama-3.2-3B, Llama-3.1-8B QLoRA with checkpointing at 8,192
 #                                  tokens (the 24 GiB card), HF+PEFT+bitsandbytes QLoRA, the methods' GPU tests, and
 #                                  Llama-3.2-1B LoRA/QLoRA/full for the memory model's check (bench/memory_check.py)
+#   bash bench/run_gpu.sh methods4 QLoRA beside LoRA on Llama-3.2-3B, 8B QLoRA with checkpointing at 8,192 tokens, what
+#                                  each recipe saves for backward per 8B layer, every GPU test
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -79,6 +81,15 @@ elif [[ $MODE == methods3 ]]; then
     tests/test_kernels_lora.py tests/test_generate.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log"
   bench 0 --model bench/models/llama-3.2-1b --config best,qlora_best,full_best
   "$PY" bench/memory_check.py --run-id "$RUN_ID" 2>&1 | tee "$OUT/memory_check.txt"
+elif [[ $MODE == methods4 ]]; then
+  # after the QLoRA custom ops (c254780): QLoRA beside LoRA on Llama-3.2-3B, Llama-3.1-8B QLoRA with checkpointing at
+  # 8,192 tokens (the 24 GiB card), what each recipe keeps for backward per 8B layer (bench/saved_bytes.py), GPU tests
+  bench 400 --model $M3 --config qlora_best,best
+  bench 300 --model bench/models/llama-3.1-8b --config qlora_ckpt --tokens-per-batch 8192
+  timeout -k 10 $(( $(left 220) > 20 ? $(left 220) : 20 )) "$PY" bench/saved_bytes.py --model bench/models/llama-3.1-8b \
+    --tokens 8192 --lengths "$LENGTHS" --config best,best_ckpt,qlora_best,qlora_ckpt 2>&1 | tee "$OUT/saved_bytes.txt"
+  timeout -k 10 $(( $(left 0) > 20 ? $(left 0) : 20 )) "$PY" -m pytest -q -m gpu tests/ --durations=12 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -60
 elif [[ $MODE == methods2 ]]; then
   # Llama-3.1-8B QLoRA at max_seq_len 4096 with 8,192 tokens per micro-batch (the 24 GiB card question),
   # Gemma-3-4B LoRA beside Llama-3.2-3B's, and HF+PEFT+Liger packed
