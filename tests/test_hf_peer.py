@@ -35,15 +35,15 @@ def dry_run(monkeypatch, capsys, *argv):
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.parametrize("model, config", [("llama-3.2-3b", "packed_sdpa"), ("gemma-3-4b", "packed_sdpa"),
-                                           ("gemma-3-4b", "dyn_pad8")])
+@pytest.mark.parametrize("model, config", [("llama-3.2-3b", "packed_sdpa"), ("llama-3.2-3b", "dyn_pad8"),
+                                           ("gemma-3-4b", "packed_sdpa"), ("gemma-3-4b", "packed_sdpa_ckpt")])
 def test_dry_run_builds_the_architecture_and_trains_a_step(monkeypatch, capsys, model, config):
     res = dry_run(monkeypatch, capsys, config, "--model-config", str(MODELS / model))
     expected_type = json.loads((MODELS / model / "config.json").read_text())["model_type"]
     assert res["model_type"] == expected_type and res["config"] == config
     assert res["arch"]["num_hidden_layers"] == 2 and res["arch"]["hidden_size"] == 64
     assert res["real_tok_s"] > 0 and 0 < res["loss"] < 10  # ln(512) = 6.2 for random weights
-    assert (res["pad_frac"] == 0) == (config == "packed_sdpa")
+    assert (res["pad_frac"] == 0) == config.startswith("packed")
 
 
 def test_tiny_gemma3_keeps_a_sliding_and_a_global_layer():

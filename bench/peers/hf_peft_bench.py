@@ -220,7 +220,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--model-config", metavar="DIR", help="build the architecture of DIR/config.json "
                     "(default: Llama-3.2-3B)")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
+    ap.add_argument("--tiny", action="store_true", help="smoke test with a tiny model on the CPU (Liger: the GPU)")
     ap.add_argument("--dry-run", action="store_true", help="the tiny model, 64-token documents, one step")
     a = ap.parse_args()
     mode, mb, ckpt, liger = CONFIGS[a.config]
