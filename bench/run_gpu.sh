@@ -12,6 +12,10 @@
 #                                  Llama-3.2-1B LoRA/QLoRA/full for the memory model's check (bench/memory_check.py)
 #   bash bench/run_gpu.sh methods4 QLoRA beside LoRA on Llama-3.2-3B, 8B QLoRA with checkpointing at 8,192 tokens, what
 #                                  each recipe saves for backward per 8B layer, every GPU test
+#   bash bench/run_gpu.sh gemma    Gemma-3-4B best and Llama-3.2-3B best at the same tokens per step (GEMMA_TOKENS,
+#                                  8,192), each beside HF+PEFT (+Liger) built from the same config.json
+#                                  (bench/peers --model-config); the Gemma GPU tests if time is left. Needs the H200
+#                                  (HF+PEFT without Liger on Gemma-3-4B: ~110 GiB at 8,192 tokens)
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -90,6 +94,23 @@ elif [[ $MODE == methods4 ]]; then
     --tokens 8192 --lengths "$LENGTHS" --config best,best_ckpt,qlora_best,qlora_ckpt 2>&1 | tee "$OUT/saved_bytes.txt"
   timeout -k 10 $(( $(left 0) > 20 ? $(left 0) : 20 )) "$PY" -m pytest -q -m gpu tests/ --durations=12 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -60
+elif [[ $MODE == gemma ]]; then
+  # issue 19: Gemma-3-4B's ratio to HF+PEFT(+Liger) beside Llama-3.2-3B's, in one call. 8,192 tokens a step: HF+PEFT
+  # packed at 16,384 needs ~158 GiB of activations on Gemma-3-4B (bytes saved per token per layer, counted on the
+  # CPU, x 34 layers) and its isolated packed mask makes sdpa run a [T, T] bias. Reserves: gapless best ~100 s
+  # (compile ~60-90 s), each HF+PEFT peer ~60 s
+  G4=bench/models/gemma-3-4b
+  TOK=${GEMMA_TOKENS:-8192}
+  bench 340 --model $G4 --config best --tokens-per-batch "$TOK" --profile-steps 0
+  bench 220 --model $G4 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs $PEERS \
+    --peers-args="--model-config $G4"
+  bench 120 --model $M3 --config best --tokens-per-batch "$TOK" --profile-steps 0
+  bench 0 --model $M3 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs $PEERS \
+    --peers-args="--model-config $M3"
+  if (( $(left 0) > 60 )); then
+    timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_gemma.py tests/test_gemma_kernels.py \
+      tests/test_hf_peer.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log"
+  fi
 elif [[ $MODE == methods2 ]]; then
   # Llama-3.1-8B QLoRA at max_seq_len 4096 with 8,192 tokens per micro-batch (the 24 GiB card question),
   # Gemma-3-4B LoRA beside Llama-3.2-3B's, and HF+PEFT+Liger packed

@@ -4,6 +4,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -255,3 +256,15 @@ def test_peers_run_as_subprocess_with_replayed_lengths(setup, shared):
         assert r["real_tokens"] == pytest.approx(implied, rel=0.01)
         assert "another architecture" in r["mfu_note"]  # --tiny builds the peer's own tiny shape, not --model's
     assert got[0]["padding_fraction"] > 0
+
+
+def test_our_peer_builds_the_model_of_model_config_and_gets_its_mfu(setup):
+    """bench/peers' copy takes --model-config: it reports the sizes it built, and bench computes the peer's MFU
+    when they are --model's (the tiny config is below the peer's --tiny caps, so --tiny keeps it as it is)."""
+    peers = Path(__file__).resolve().parents[1] / "bench" / "peers"
+    code = bench(setup, "--peers", "--peers-dir", str(peers), "--peers-configs", "packed_sdpa",
+                 f"--peers-args=--tiny --model-config {setup / 'tiny'}")
+    assert code == 0
+    (row,) = rows(setup)
+    assert row["error"] is None and row["peer_result"]["arch"]["hidden_size"] == TINY["hidden_size"]
+    assert "mfu_note" not in row and 0 < row["mfu"] < 1

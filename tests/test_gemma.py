@@ -195,30 +195,53 @@ def test_merged_gemma3_keeps_the_vision_tower(gemma3_checkpoint, tmp_path):
         assert torch.equal(p, reloaded.model.vision_tower.get_parameter(name)), name
 
 
+# the GPU backends' shape: head_dim 64 (inductor's flex_attention lowering has no kernel for the parity tests' 16:
+# NoValidChoicesError on the H200, bench/RESULTS.md fifth round), query_pre_attn_scalar 48 so the scale is not
+# head_dim's, and 2 rows of 128 tokens (flex's block size)
+GPU_SHAPE = dict(head_dim=64, query_pre_attn_scalar=48)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case, backend", [("gemma2", "flex"), ("gemma3_text", "varlen"), ("gemma3_text", "flex")])
 def test_packed_gpu_backends_match_the_cpu_reference(hf_checkpoint, case, backend):
-    """The fast path on Gemma: packed rows longer than the window, bf16 on CUDA through flex (soft-capping as a
-    score_mod) or varlen (window_size), forward and backward, against the float32 sdpa reference on the CPU.
-    bf16 through 3 layers lands near 1e-2 relative; the bound is 3e-2."""
-    hf, folder = hf_checkpoint(CASES[case][0], **CASES[case][1])
+    """The fast path on Gemma: packed rows of documents longer than the window of 4, bf16 on CUDA through flex
+    (soft-capping as a score_mod, windows in the block mask) or varlen (window_size), logits and a q_proj gradient
+    against the float32 model on the CPU (sdpa reference attention).
+
+    Tolerance: at most twice the error of the same bf16 model on the same GPU with the plain sdpa reference attention
+    (relative Frobenius norm; these weights, std 0.2, measure 2.5-3.1e-2 for the logits and 0.10-0.14 for the
+    gradient in bf16 on the CPU), and that bar is under half the error of a model that ignores the windows and caps
+    (1.1-1.2 for the logits, 1.4-3.0 for the gradient), so a backend that drops either fails."""
+    hf, folder = hf_checkpoint(CASES[case][0], **{**CASES[case][1], **GPU_SHAPE})
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 88, (2, 48), generator=g)
-    targets = torch.randint(0, 88, (2, 48), generator=g)
-    cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32)
+    ids = torch.randint(0, 88, (2, 128), generator=g)
+    targets = torch.randint(0, 88, (2, 128), generator=g)
+    cu = torch.tensor([0, 5, 70, 128, 161, 256], dtype=torch.int32)  # the second row's last document: 95 tokens
 
     def run(model, device):
         model.to(device)
-        logits = model(ids.to(device), cu_seqlens=cu.to(device), max_seqlen=25)
+        logits = model(ids.to(device), cu_seqlens=cu.to(device), max_seqlen=95)
         F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten()).backward()
         grad = model.model.layers[1].self_attn.q_proj.weight.grad
         return logits.float().cpu(), grad.float().cpu()
 
-    ref = run(gapless.load_model(folder), "cpu")
-    got = run(gapless.load_model(folder, dtype=torch.bfloat16, device="cuda", attn_backend=backend), "cuda")
-    for a, b in zip(got, ref):
-        assert ((a - b).norm() / b.norm()).item() < 3e-2
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    reference = gapless.load_model(folder)
+    assert reference.args.head_dim == 64 and reference.args.sliding_window == [4, None, 4]
+    ref = run(reference, "cpu")
+    plain = gapless.load_model(folder)  # the control: no windows, no soft-capping
+    for layer in plain.model.layers:
+        layer.self_attn.sliding_window, layer.self_attn.softcap = None, {}
+    control = run(plain, "cpu")
+    bf16 = {name: run(gapless.load_model(folder, dtype=torch.bfloat16, device="cuda", attn_backend=name), "cuda")
+            for name in ("sdpa", backend)}
+    for i, what in enumerate(("logits", "q_proj grad")):
+        bar = 2 * rel(bf16["sdpa"][i], ref[i])
+        assert rel(bf16[backend][i], ref[i]) <= bar, (what, rel(bf16[backend][i], ref[i]), bar)
+        assert bar < 0.5 * rel(control[i], ref[i]), (what, bar, rel(control[i], ref[i]))
 
 
 def test_compiled_gemma_layers_compile_per_layer_kind_not_per_layer():

@@ -109,14 +109,16 @@ def test_auto_picks_flex_for_softcapping_models(monkeypatch):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("name, window, softcap", [("flex", 64, 50.0), ("flex", None, 50.0), ("varlen", 64, None)])
-def test_gemma_attention_on_cuda_bf16(name, window, softcap):
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_gemma_attention_on_cuda_bf16(name, window, softcap, head_dim):
     """Gemma 2's layers (window 4096 scaled down to 64, cap 50) through flex, Gemma 3's sliding layers through
-    varlen, forward and backward against the float32 reference, head_dim 256 as Gemma's."""
+    varlen, forward and backward against the float32 reference, head_dim 256 as Gemma's and 64 as the model-level
+    GPU tests' (tests/test_gemma.py)."""
     g = torch.Generator().manual_seed(1)
     cu = torch.tensor([0, 700, 737, 1024, 1029, 2048], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(2, 1024, h, 256, generator=g).mul(2).to("cuda", torch.bfloat16).requires_grad_()
+    q, k, v = (torch.randn(2, 1024, h, head_dim, generator=g).mul(2).to("cuda", torch.bfloat16).requires_grad_()
                for h in (8, 4, 4))
-    kw = dict(cu_seqlens=cu, max_seqlen=1019, sliding_window=window, scale=256 ** -0.5,
+    kw = dict(cu_seqlens=cu, max_seqlen=1019, sliding_window=window, scale=head_dim ** -0.5,
               **({} if softcap is None else {"softcap": softcap}))
     dout = torch.randn_like(q)
     out = get_attention(name)(q, k, v, **kw)

@@ -469,8 +469,10 @@ def peer_doc_lengths(peer, config: str, lengths_file: str, warmup: int, steps: i
     return per_step[warmup:]
 
 
-def _peer_architecture_matches(peer, args: ModelArgs) -> bool:
-    a = peer.LLAMA32_3B
+def _peer_architecture_matches(peer, args: ModelArgs, built: dict | None = None) -> bool:
+    """`built`: the sizes the peer reports it built (bench/peers' copy, which takes --model-config); else the
+    Llama-3.2-3B the shared script always builds."""
+    a = built or peer.LLAMA32_3B
     return (a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["num_attention_heads"],
             a["num_key_value_heads"], a["head_dim"], a["vocab_size"]) == (
         args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.num_attention_heads,
@@ -527,7 +529,7 @@ def _run_peer(ctx: Context, peer, name: str, cmd: list[str], env: dict, log) -> 
     update["real_tokens"] = real
     if abs(real - implied) > 0.01 * implied:
         update["mfu_note"] = f"no MFU: replayed {real} real tokens, the peer's numbers imply {implied:.0f}"
-    elif not _peer_architecture_matches(peer, ctx.args):
+    elif not _peer_architecture_matches(peer, ctx.args, res.get("arch")):
         update["mfu_note"] = f"no MFU: the peer builds another architecture than --model {ctx.model_name}"
     else:
         update["flops"] = sum(step_flops(ctx.args, d, "lora", 16, ALL_LINEAR) for d in docs)
