@@ -124,7 +124,7 @@ else
   if "$PY" -c "import flash_attn.cute" 2>/dev/null; then bench 310 --model $M3 --config best_fa4; fi
   bench 240 --model bench/models/llama-3.2-1b --config best
   bench 120 --model bench/models/llama-3.1-8b --config best
-  bench 0 --model $M3 --peers --peers-dir .carry --peers-configs $PEERS
+  bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs $PEERS
   if (( $(left 0) > 260 )); then bench 0 --model $M3 --config packed_fused_flex; fi
 fi
 
