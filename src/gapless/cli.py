@@ -344,14 +344,15 @@ def run_doctor(args) -> int:
 
 def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict time, GPU-hours and scaling of a config on named GPUs",
-                       description="Predict the run's time to train, weights per GPU, scaling efficiency (DDP "
+                       description="Predict the run's time to train, memory per GPU (DDP replica or FSDP2 "
+                                   "shards; fits / tight / does not fit, with the fix), scaling efficiency (DDP "
                                    "gradient or FSDP2 parameter traffic over the link) and GPU-hours on each GPU "
                                    "choice, and say where more GPUs stop paying. See gapless/diagnosis/plan.py.")
     p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
-    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp2"],
-                   help="auto: FSDP2 when the weights take over half of one GPU, else DDP")
+    p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp2"],
+                   help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA)")
     p.add_argument("--run", metavar="RUN", help="a run folder whose measured tokens/s replaces the stated figure")
     p.add_argument("--measured", metavar="TOKS@GPU", help="a measured single-GPU rate, e.g. 34100@H200")
     p.add_argument("--startup-s", type=float, default=None, help="start-up seconds (default 86, the H200 1B run)")
@@ -365,9 +366,9 @@ def run_plan(args) -> int:
     from gapless.config import load_config
     from gapless.diagnosis.plan import format_plan, plan, plan_json
 
-    preds, workload = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
-                           run=args.run, measured=args.measured, startup_s=args.startup_s)
-    print(json.dumps(plan_json(preds, workload)) if args.json else format_plan(preds, workload))
+    preds, workload, stops = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
+                                  run=args.run, measured=args.measured, startup_s=args.startup_s)
+    print(json.dumps(plan_json(preds, workload, stops)) if args.json else format_plan(preds, workload, stops))
     return 0
 
 
