@@ -305,6 +305,8 @@ def register_doctor(sub) -> None:
                         "samples show); without it, the environment only")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="the GPUs (processes) the run will use, as "
+                   "`gapless train --nproc N` (default WORLD_SIZE under torchrun, else 1)")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
                    help="what differs between two run folders' environment.json and config.yaml")
     p.add_argument("--nccl", action="store_true", help="all-reduce bandwidth across the visible GPUs, 1 MiB to 1 GiB "
@@ -335,7 +337,7 @@ def run_doctor(args) -> int:
         return 0
     from gapless.diagnosis.doctor import diagnose_target, format_findings, to_json
 
-    result = diagnose_target(args.config, args.overrides)
+    result = diagnose_target(args.config, args.overrides, gpus=args.nproc)
     print(to_json(result) if args.json else format_findings(result["findings"]))
     if not args.json and result["facts"].get("step_source"):
         print(f"step time: {result['facts']['step_source']}")

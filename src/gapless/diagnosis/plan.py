@@ -290,19 +290,21 @@ def fit_of(peak_gib: float, memory_gib: float) -> str:
     return "fits" if peak_gib <= TIGHT * memory_gib else "tight" if peak_gib <= memory_gib else "does not fit"
 
 
-def memory_fixes(w: Workload, gpu: Gpu, n: int, strategy: str, tokens_per_batch: int) -> list[str]:
-    """Config lines under which the run fits `TIGHT` of each GPU's memory, cheapest first: a smaller micro-batch
-    (the same tokens per step through more accumulation), activation checkpointing, QLoRA, more GPUs with FSDP2."""
+def memory_fixes(spec: MemorySpec, seq: int, accum: int, gpu: str, memory_gib: float, n: int, strategy: str,
+                 tokens_per_batch: int) -> list[str]:
+    """Config lines under which the run fits `TIGHT` of each GPU's memory (`memory_gib`), cheapest first: a smaller
+    micro-batch (the same tokens per step through more accumulation), activation checkpointing, QLoRA, more GPUs
+    with FSDP2. tokens_per_batch: the global micro-batch over `n` GPUs of kind `gpu`; seq: data.max_seq_len."""
     from gapless.diagnosis.doctor import RECOMPUTE_COST
 
-    spec, seq, budget = w.memory, w.max_seq_len, TIGHT * gpu.memory_gib
+    budget = TIGHT * memory_gib
     shards = n if strategy == "fsdp2" else 1
     rank = max(seq, tokens_per_batch // n)
     out = []
     fit = spec.max_tokens(budget, shards) // seq * seq
     if seq <= fit < rank:
-        accum = math.ceil(tokens_per_batch * w.micro_batches / (fit * n))
-        out.append(f"data.tokens_per_batch: {fit * n:,}  train.grad_accum: {accum} ({fit:,} slots per GPU, about the "
+        out.append(f"data.tokens_per_batch: {fit * n:,}  train.grad_accum: "
+                   f"{math.ceil(tokens_per_batch * accum / (fit * n))} ({fit:,} slots per GPU, about the "
                    "same tokens per step)")
     if not spec.kwargs.get("activation_checkpointing") and \
             spec.estimate(rank, shards, activation_checkpointing=1).total_gib <= budget:
@@ -316,11 +318,11 @@ def memory_fixes(w: Workload, gpu: Gpu, n: int, strategy: str, tokens_per_batch:
                 continue
             peak = spec.estimate(max(seq, tokens_per_batch // m // seq * seq), m).total_gib
             if peak <= budget:
-                out.append(f"{gpu.name}x{m} with parallel.strategy: fsdp ({peak:.1f} GiB per GPU: FSDP2 shards the "
+                out.append(f"{gpu}x{m} with parallel.strategy: fsdp ({peak:.1f} GiB per GPU: FSDP2 shards the "
                            "weights, gradients and optimizer state)")
                 break
     return out or [f"none of a smaller micro-batch, activation checkpointing, qlora or FSDP2 over up to 16 GPUs fits "
-                   f"{TIGHT:.0%} of {gpu.memory_gib:.0f} GiB: a GPU with more memory"]
+                   f"{TIGHT:.0%} of {memory_gib:.0f} GiB: a GPU with more memory"]
 
 
 def predict(w: Workload, gpu: Gpu, n: int, *, strategy: str = "auto", startup_s: float = STARTUP_S,
@@ -362,7 +364,8 @@ def predict(w: Workload, gpu: Gpu, n: int, *, strategy: str = "auto", startup_s:
             p.peak_ddp_gib, p.peak_fsdp2_gib = (w.memory.estimate(rank, s).total_gib for s in (1, n))
         p.fit = fit_of(p.peak_gib, gpu.memory_gib)
         if p.fit != "fits":
-            p.fixes = memory_fixes(w, gpu, n, strategy, tokens_per_batch)
+            p.fixes = memory_fixes(w.memory, seq, w.micro_batches, gpu.name, gpu.memory_gib, n, strategy,
+                                   tokens_per_batch)
     return p
 
 
