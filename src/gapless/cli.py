@@ -375,7 +375,7 @@ def run_plan(args) -> int:
 
 
 def register_compare_precision(sub) -> None:
-    p = sub.add_parser("compare-precision", help="the same steps under fp32, TF32, bf16 and fp16: loss differences, speed",
+    p = sub.add_parser("compare-precision", help="the same steps under fp32, TF32, bf16 and fp16: loss and speed",
                        description="Run the config for --steps optimizer steps with the same seeds and batches under "
                                    "fp32 (TF32 off, the reference), TF32 on, bf16 and fp16 (with the dynamic loss "
                                    "scaler); print the loss differences and tokens/s; write precision.html with the "
