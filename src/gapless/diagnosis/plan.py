@@ -312,16 +312,22 @@ def memory_fixes(spec: MemorySpec, seq: int, accum: int, gpu: str, memory_gib: f
                    "layer's forward runs again in backward)")
     if spec.method == "lora" and spec.estimate(rank, 1, method="qlora").total_gib <= budget:
         out.append(f"method: qlora ({spec.estimate(rank, 1, method='qlora').total_gib:.1f} GiB: NF4 base weights)")
-    if spec.method != "qlora":  # QLoRA's weights are quantised as they load: FSDP2 cannot shard them
-        for m in (2, 4, 8, 16):
-            if m < n or (m == n and strategy == "fsdp2"):
-                continue
-            peak = spec.estimate(max(seq, tokens_per_batch // m // seq * seq), m).total_gib
-            if peak <= budget:
-                out.append(f"{gpu}x{m} with parallel.strategy: fsdp ({peak:.1f} GiB per GPU: FSDP2 shards the "
-                           "weights, gradients and optimizer state)")
-                break
-    return out or [f"none of a smaller micro-batch, activation checkpointing, qlora or FSDP2 over up to 16 GPUs fits "
+    # more GPUs: each holds 1/m of the global micro-batch's rows (DDP, the cheaper traffic for adapters), and under
+    # FSDP2 1/m of the state too; QLoRA's weights are quantised as they load: FSDP2 cannot shard them
+    for m in (2, 4, 8, 16):
+        if m < n:
+            continue
+        rank_m = max(seq, tokens_per_batch // m // seq * seq)
+        options = [] if m == n else [(1, "DDP: a full replica")]
+        if spec.method != "qlora" and not (m == n and strategy == "fsdp2"):
+            options.append((m, "with parallel.strategy: fsdp: FSDP2 shards the weights, gradients and optimizer "
+                               "state"))
+        found = next(((peak, how) for shards, how in options
+                      if (peak := spec.estimate(rank_m, shards).total_gib) <= budget), None)
+        if found:
+            out.append(f"{gpu}x{m} ({found[1]}; {found[0]:.1f} GiB per GPU at {rank_m:,} slots each)")
+            break
+    return out or [f"none of a smaller micro-batch, activation checkpointing, qlora or up to 16 GPUs fits "
                    f"{TIGHT:.0%} of {memory_gib:.0f} GiB: a GPU with more memory"]
 
 
