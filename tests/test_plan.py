@@ -131,7 +131,7 @@ def test_memory_verdicts_and_fixes():
     assert "data.tokens_per_batch: 4,096  train.grad_accum: 4" in fixes  # one row of 4,096 fits 90% of 22.4 GiB
     assert "model.activation_checkpointing: 1 (costs 33% of throughput" in fixes
     assert "method: qlora" not in fixes  # QLoRA shrinks the weights (6 GiB), not 16,384 tokens of activations
-    assert "RTX4090x4 (DDP: a full replica; 18.4 GiB per GPU at 4,096 slots each)" in fixes  # x2: 8,192 do not fit
+    assert "RTX4090x4 (DDP; 18.4 GiB per GPU at 4,096 slots each)" in fixes  # x2: 8,192 do not fit
     # tight: between 90% and 100% of the memory
     assert fit_of(0.95 * 80, 80) == "tight" and fit_of(0.9 * 80, 80) == "fits" and fit_of(81, 80) == "does not fit"
     # Llama-3.1-8B full fine-tuning (~18 B per weight) does not fit one H200; FSDP2 over more H200s does
@@ -139,7 +139,7 @@ def test_memory_verdicts_and_fixes():
     full = workload(method="full", memory=MemorySpec(big, "full", LORA), trainable=8_030_261_248,
                     params=8_030_261_248, grad_bytes=2)
     one = predict(full, GPUS["H200"], 1)
-    assert one.fit == "does not fit" and any(f.startswith("H200x2 (with parallel.strategy: fsdp") for f in one.fixes)
+    assert one.fit == "does not fit" and any(f.startswith("H200x2 (FSDP2, parallel.strategy: fsdp;") for f in one.fixes)
     two = predict(full, GPUS["H200"], 2)  # auto: full fine-tuning shards
     assert two.strategy == "fsdp2" and two.fit == "fits" and two.peak_fsdp2_gib < two.peak_ddp_gib
     assert predict(workload(method="qlora"), GPUS["H200"], 2, strategy="fsdp2").problems[0].startswith(

@@ -318,10 +318,9 @@ def memory_fixes(spec: MemorySpec, seq: int, accum: int, gpu: str, memory_gib: f
         if m < n:
             continue
         rank_m = max(seq, tokens_per_batch // m // seq * seq)
-        options = [] if m == n else [(1, "DDP: a full replica")]
+        options = [] if m == n else [(1, "DDP")]
         if spec.method != "qlora" and not (m == n and strategy == "fsdp2"):
-            options.append((m, "with parallel.strategy: fsdp: FSDP2 shards the weights, gradients and optimizer "
-                               "state"))
+            options.append((m, "FSDP2, parallel.strategy: fsdp"))
         found = next(((peak, how) for shards, how in options
                       if (peak := spec.estimate(rank_m, shards).total_gib) <= budget), None)
         if found:
