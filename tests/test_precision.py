@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gapless.cli import main
-from gapless.diagnosis.precision import compare_precision, tf32
+from gapless.diagnosis.precision import compare_precision, differences, final_loss, format_comparison, tf32
 from test_doctor import demo  # noqa: F401  (the demo's tiny model and data, a module fixture)
 
 
@@ -50,6 +50,21 @@ def test_compare_on_cpu(config, tmp_path, one_thread):
     page = (tmp_path / "precision.html").read_text()
     assert "data:image/png;base64," in page and "bf16" in page
     assert json.loads((tmp_path / "precision.json").read_text())["steps"] == 4
+
+
+def test_a_step_without_a_loss_is_left_out_not_compared():
+    """fp16's scaler skipped step 3 (its window's loss is NaN): the differences are over steps 1, 2 and 4, and the
+    row says one step was left out, instead of a NaN that max() would hide or spread."""
+    ref = {1: 2.0, 2: 1.5, 3: 1.2, 4: 1.0}
+    fp16 = {1: 2.0, 2: 1.53, 3: float("nan"), 4: 0.99}
+    d = differences(fp16, ref)
+    assert d["max_abs_diff"] == pytest.approx(0.03) and d["max_rel_diff"] == pytest.approx(0.02)
+    assert d["final_diff"] == pytest.approx(-0.01) and d["steps_without_loss"] == 1
+    assert final_loss({**fp16, 4: float("nan")}) == 1.53
+    row = {"variant": "fp16", "status": "ran", "losses": fp16, "tokens_per_s": 10.0, "speedup": 1.0,
+           "attn_backend": "sdpa", "compile": False, "note": "loss scale 32768, 1 skipped steps", **d}
+    text = format_comparison({"steps": 4, "variants": [row]})
+    assert "0.9900" in text and "1 logged step(s) without a loss (every step skipped), left out; loss scale" in text
 
 
 def test_cli_subset_and_bad_variant(config, tmp_path, capsys, one_thread):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,24 +88,37 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
         if name == "fp16":
             rows[-1]["note"] = (f"loss scale {rows[-1].get('loss_scale', 0):g}, {rows[-1].get('skipped_steps', 0)} "
                                 "skipped steps; " + note).rstrip("; ")
-        log(f"{name}: final loss {result.losses[max(result.losses)]:.4f}, {result.steady_tokens_per_s:,.0f} "
+        log(f"{name}: final loss {final_loss(result.losses):.4f}, {result.steady_tokens_per_s:,.0f} "
             "real tokens/s")
     ref = next((r for r in rows if r["variant"] == "fp32" and r["status"] == "ran"), None)
     for r in rows:
         if r["status"] != "ran" or ref is None:
             continue
-        steps_common = sorted(set(r["losses"]) & set(ref["losses"]))
-        diffs = [r["losses"][s] - ref["losses"][s] for s in steps_common]
-        rel = [abs(d) / abs(ref["losses"][s]) for d, s in zip(diffs, steps_common)]
-        r["max_abs_diff"] = max(map(abs, diffs)) if diffs else 0.0
-        r["max_rel_diff"] = max(rel) if rel else 0.0
-        r["final_diff"] = diffs[-1] if diffs else 0.0
+        r.update(differences(r["losses"], ref["losses"]))
         r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else None
     result = {"config": str(config) if config else None, "steps": steps, "device": "cuda" if gpu else "cpu",
               "variants": rows}
     (out / "precision.json").write_text(json.dumps(result, indent=2))
     write_page(result, out / "precision.html")
     return result
+
+
+def differences(losses: dict[int, float], ref: dict[int, float]) -> dict:
+    """A variant's loss curve against the reference's at the steps both logged a loss: the largest absolute and
+    relative difference and the last one. A logged loss is NaN when every step of its window was skipped (fp16's
+    loss scaler on an overflow, or the non-finite guard: no update applied, so no loss to compare): such steps
+    are left out and counted, never compared (a NaN would hide in max())."""
+    common = sorted(set(losses) & set(ref))
+    kept = [s for s in common if math.isfinite(losses[s]) and math.isfinite(ref[s])]
+    diffs = [losses[s] - ref[s] for s in kept]
+    return {"max_abs_diff": max(map(abs, diffs), default=0.0),
+            "max_rel_diff": max((abs(d) / abs(ref[s]) for d, s in zip(diffs, kept)), default=0.0),
+            "final_diff": diffs[-1] if diffs else 0.0, "steps_without_loss": len(common) - len(kept)}
+
+
+def final_loss(losses: dict[int, float]) -> float:
+    """The last finite logged loss (NaN when none is)."""
+    return next((losses[s] for s in sorted(losses, reverse=True) if math.isfinite(losses[s])), math.nan)
 
 
 def format_comparison(result: dict) -> str:
@@ -114,11 +128,14 @@ def format_comparison(result: dict) -> str:
         if r["status"] != "ran":
             lines.append(f"{r['variant']:<8} {r['status']}")
             continue
-        final = r["losses"][max(r["losses"])]
+        final = final_loss(r["losses"])
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        skipped = r.get("steps_without_loss", 0)
+        note = ((f"{skipped} logged step(s) without a loss (every step skipped), left out; " if skipped else "")
+                + r.get("note", "")).rstrip("; ")
         lines.append(f"{r['variant']:<8} {r['tokens_per_s']:>10,.0f} {speed:>7} {final:>10.4f} "
                      f"{r.get('max_abs_diff', 0):>10.2e} {r.get('max_rel_diff', 0):>8.2%}  "
-                     f"{r['attn_backend'] + (' comp.' if r['compile'] else ''):<9}  {r.get('note', '')}")
+                     f"{r['attn_backend'] + (' comp.' if r['compile'] else ''):<9}  {note}")
     lines.append(f"differences are against fp32 with TF32 off at the same step, over {result['steps']} steps with "
                  "the same seeds and batches")
     return "\n".join(lines)
