@@ -510,8 +510,8 @@ def check_accumulation(cfg: RunConfig) -> list[Finding]:
     if k > 1 and d.tokens_per_batch <= d.max_seq_len:
         return _f("cfg.accumulation", "warning", f"train.grad_accum {k} over micro-batches of one "
                   f"{d.max_seq_len:,}-token row (the seed's 'batch 1 x accumulation' habit)",
-                  "small micro-batches leave the GPU under-filled (not predicted: needs methods:'s memory model; "
-                  "`gapless gap` measures it)", f"data.tokens_per_batch: {d.tokens_per_batch * k}  train.grad_accum: "
+                  "small micro-batches leave the GPU under-filled (not predicted; `gapless gap` measures it, and "
+                  "`gapless train CONFIG --dry-run` says whether the larger batch fits)", f"data.tokens_per_batch: {d.tokens_per_batch * k}  train.grad_accum: "
                   "1 (the same tokens per step, if memory allows)")
     return _f("cfg.accumulation", "ok", f"train.grad_accum {k}: accumulation itself costs little (measured 0.05% "
               "at 2 x 8,192 tokens on an H200, bench/RESULTS.md)")
