@@ -176,8 +176,16 @@ def test_batching_padding_predicted_and_priced(demo):
 
 
 def test_tokens_per_step_math_and_a_wasted_budget(demo):
-    (f,) = d.check_tokens_per_step(cfg_of(demo, "train.grad_accum=4"), 0.9, gpus=8)
-    assert f.severity == "info" and "256 slots x 4 accumulation x 8 GPU(s) = 8,192 slots" in f.detail
+    # data.tokens_per_batch is the global micro-batch (gapless.data.sharding): 4 rows of 64 dealt to 4 GPUs
+    (f,) = d.check_tokens_per_step(cfg_of(demo, "train.grad_accum=4"), 0.9, gpus=4)
+    assert f.severity == "info" and "64 slots per GPU x 4 accumulation x 4 GPU(s) = 1,024 slots" in f.detail
+    (one,) = d.check_tokens_per_step(cfg_of(demo, "train.grad_accum=4"), 0.9)
+    assert "256 slots per GPU x 4 accumulation x 1 GPU(s) = 1,024 slots" in one.detail  # the same step
+    # 4 rows cannot be dealt to 8 GPUs: the sampler would refuse, so the doctor says so first
+    (f,) = d.check_tokens_per_step(cfg_of(demo), 0.9, gpus=8)
+    assert f.severity == "error" and "cannot share equally" in f.detail and f.fix == "data.tokens_per_batch: 512"
+    (f,) = d.check_tokens_per_step(cfg_of(demo, "data.batching=padded"), 0.9, gpus=2)
+    assert f.severity == "error" and f.fix == "data.batching: packed"
     (f,) = d.check_tokens_per_step(cfg_of(demo, "data.tokens_per_batch=300"), 0.9)
     assert f.severity == "warning" and "256 slots" in f.detail and f.cost.startswith("15%")
 
@@ -238,15 +246,84 @@ def test_memory_predicted_against_the_gpu(demo):
 def test_precision(demo):
     (f,) = d.check_precision(cfg_of(demo, "model.device=auto"), gpu_env())
     assert f.severity == "warning" and "bfloat16" in f.fix
-    assert d.check_precision(cfg_of(demo, "model.dtype=float16"), gpu_env())[0].severity == "warning"
+    (f,) = d.check_precision(cfg_of(demo, "model.dtype=float16"), gpu_env())
+    assert f.severity == "info" and "dynamic loss scaler" in f.detail  # gapless.train.loss_scale
     assert d.check_precision(cfg_of(demo, "model.dtype=bfloat16", "model.device=auto"), gpu_env())[0].severity == "ok"
     assert d.check_precision(cfg_of(demo), cpu_env())[0].severity == "ok"
 
 
 def test_activation_checkpointing_costs_a_third(demo):
     (f,) = d.check_activation_checkpointing(cfg_of(demo, "model.activation_checkpointing=1"))
-    assert f.severity == "warning" and f.cost.startswith("33%")
+    assert f.severity == "warning" and f.cost.startswith("33%") and "not predicted" in f.detail
     assert d.check_activation_checkpointing(cfg_of(demo))[0].severity == "ok"
+
+
+def test_activation_checkpointing_that_memory_does_not_require(demo):
+    """Llama-3.2-3B LoRA on an H200 (139.8 GiB): at 16,384 tokens it fits without checkpointing (~49 GiB), so the
+    recompute is a cost to remove; at 131,072 tokens it needs it (~330 GiB of activations without)."""
+    from gapless.model.loading import read_model_args
+
+    args = read_model_args("bench/models/llama-3.2-3b")
+    base = ("model.dtype=bfloat16", "model.device=auto", "data.max_seq_len=4096")
+    cfg = cfg_of(demo, *base, "data.tokens_per_batch=16384", "model.activation_checkpointing=1")
+    (f,) = d.check_activation_checkpointing(cfg, gpu_env(), args)
+    assert f.severity == "warning" and f.fix == "model.activation_checkpointing: 0"
+    assert re.search(r"predicts 4\d\.\d GiB per GPU without it \(3\d% of NVIDIA H200's 140 GiB", f.detail)
+    assert f.cost.startswith("33% of throughput (the forward of 28 of 28 layers runs twice)")
+    (f,) = d.check_activation_checkpointing(replace_ckpt(cfg, 2), gpu_env(), args)
+    assert f.cost.startswith("17%") and "14 of 28 layers" in f.cost  # every 2nd layer
+    big = cfg_of(demo, *base, "data.tokens_per_batch=131072", "model.activation_checkpointing=1")
+    (f,) = d.check_activation_checkpointing(big, gpu_env(), args)
+    assert f.severity == "ok" and f.detail.startswith("model.activation_checkpointing 1: needed")
+    # over 8 GPUs each holds 16,384 of the 131,072 tokens: fits without it again
+    assert d.check_activation_checkpointing(big, gpu_env(), args, gpus=8)[0].severity == "warning"
+    # auto: the batch finder would still get a full micro-batch without it
+    auto = cfg_of(demo, *base, "data.tokens_per_batch=auto", "model.activation_checkpointing=1")
+    (f,) = d.check_activation_checkpointing(auto, gpu_env(), args, auto=True)
+    assert f.severity == "warning" and "batch finder is still predicted to pick" in f.detail
+    (f,) = d.check_activation_checkpointing(cfg, cpu_env(), args)
+    assert f.severity == "info" and "no GPU" in f.detail
+
+
+def replace_ckpt(cfg, every):
+    from dataclasses import replace
+
+    return replace(cfg, model=replace(cfg.model, activation_checkpointing=every))
+
+
+def test_auto_tokens_per_batch_does_not_crash_the_doctor(demo, capsys):
+    """On a GPU auto resolves to the batch finder's proposal; on the CPU and under torchrun it is an error (the
+    run would stop) whose fix is the number the remaining checks assume."""
+    cfg = cfg_of(demo, "data.tokens_per_batch=auto")
+    result = d.diagnose(cfg, cpu_env(), probe_disk=False)
+    found = {f.id: f for f in result["findings"]}
+    assert found["cfg.tokens_per_batch"].severity == "error" and "this run is on the CPU" in \
+        found["cfg.tokens_per_batch"].detail
+    assert found["cfg.tokens_per_batch"].fix == "data.tokens_per_batch: 16,384"
+    assert "cfg.memory" in found and "cfg.checkpoint" in found  # the rest still ran
+    on_gpu = cfg_of(demo, "data.tokens_per_batch=auto", "model.dtype=bfloat16", "model.device=auto")
+    found = {f.id: f for f in d.diagnose(on_gpu, gpu_env(), probe_disk=False)["findings"]}
+    assert found["cfg.tokens_per_batch"].severity == "info" and "predicted to pick ~" in \
+        found["cfg.tokens_per_batch"].detail
+    found = {f.id: f for f in d.diagnose(on_gpu, gpu_env(), probe_disk=False, gpus=2)["findings"]}
+    assert found["cfg.tokens_per_batch"].severity == "error" and "does not run under torchrun" in \
+        found["cfg.tokens_per_batch"].detail and "per GPU, as auto would pick" in found["cfg.tokens_per_batch"].fix
+    assert d.quick_checks(cfg, cpu_env())  # `gapless train`'s startup checks
+    assert main(["doctor", str(demo.path), "data.tokens_per_batch=auto"]) == 1
+    assert "cfg.tokens_per_batch" in capsys.readouterr().out
+
+
+def test_doctor_and_plan_state_the_same_global_batch(demo):
+    """Tokens per optimizer step = per-GPU slots x accumulation x GPUs = data.tokens_per_batch x accumulation, in
+    the doctor's finding and in the plan's workload, at 1 and 4 GPUs (gapless.data.sharding deals the rows)."""
+    from gapless.diagnosis.plan import workload_from_config
+
+    cfg = cfg_of(demo, "train.grad_accum=2")
+    w, _ = workload_from_config(cfg)
+    assert w.step_tokens(256) == pytest.approx(256 * 2 * w.efficiency)
+    for gpus in (1, 4):
+        (f,) = d.check_tokens_per_step(cfg, w.efficiency, gpus)
+        assert f"x {gpus} GPU(s) = 512 slots, about {256 * 2 * w.efficiency:,.0f} real tokens" in f.detail
 
 
 def test_compile_off_on_a_gpu(demo):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gapless.config import LoraConfig
-from gapless.meter.memory import GIB, estimate_memory, format_table, max_tokens, parameter_count
+from gapless.meter.memory import GIB, auto_tokens, estimate_memory, format_table, max_tokens, parameter_count
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import read_model_args
 from gapless.model.lora import apply_lora
@@ -98,6 +98,29 @@ def test_max_tokens_inverts_the_estimate():
     n = max_tokens(args, "lora", 60.0)
     assert estimate_memory(args, "lora", tokens=n).total_gib <= 60.0 < estimate_memory(args, "lora", tokens=n + 1).total_gib
     assert max_tokens(args, "full", 40.0) == 0  # 3.2B x 18 B = 54 GiB before any token
+
+
+def test_fsdp2_shards_state_not_activations():
+    """FSDP2 over 4 GPUs: weights, fp32 copies, gradients and AdamW state / 4; activations and the loss per GPU as
+    on one; two layers all-gathered in bf16 (36,864 projection weights + 2 norms of 64, per layer, by hand)."""
+    one = _rows(estimate_memory(TINY, "full", tokens=512, loss_chunk=256))
+    four = estimate_memory(TINY, "full", tokens=512, loss_chunk=256, shards=4)
+    rows = _rows(four)
+    for name in ("weights", "trainable fp32 copies", "gradients", "optimizer state"):
+        assert rows[name] == pytest.approx(one[name] / 4)
+    assert rows["activations"] == one["activations"] and rows["loss working set"] == one["loss working set"]
+    assert rows["un-sharded layers"] == 2 * (36_864 + 2 * 64) * 2
+    assert four.fixed_bytes + 512 * four.per_token_bytes == pytest.approx(four.total_bytes)
+    with pytest.raises(ValueError, match="shards"):
+        estimate_memory(TINY, "lora", tokens=1, shards=0)
+
+
+def test_auto_tokens_is_the_finders_proposal_in_whole_rows():
+    args = read_model_args(MODELS / "llama-3.2-3b")
+    best = max_tokens(args, "lora", 0.9 * 80)
+    n = auto_tokens(args, "lora", 80, 4096)
+    assert n % 4096 == 0 and n <= 0.9 * best < n + 4096
+    assert auto_tokens(args, "full", 40, 4096) == 0  # not one row fits
 
 
 def test_table_and_errors():

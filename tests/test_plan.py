@@ -2,6 +2,7 @@
 traffic and efficiency on known inputs, the plain statement of where more GPUs stop paying, and the command."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import yaml
 from gapless import demo_task
 from gapless.cli import main
 from gapless.demo import write_base_model
-from gapless.diagnosis.plan import (GPUS, H200_RUNS, Workload, comm_seconds, flops_per_token, gpu_from_name,
-                                    parse_gpus, predict, single_gpu_tokens_per_s, stated_mfu, verdicts)
+from gapless.diagnosis.plan import (GPUS, H200_RUNS, MemorySpec, Workload, comm_seconds, fit_of, flops_per_token,
+                                    gpu_from_name, parse_gpus, predict, single_gpu_tokens_per_s, stated_mfu, verdicts,
+                                    where_more_stop)
 from gapless.meter.flops import matmul_weights
 from gapless.model.loading import read_model_args
 from pathlib import Path
@@ -54,10 +56,16 @@ def test_single_h200_prediction_within_10_percent_of_the_measured_runs(shared, m
         assert abs(toks * loo_mfu / mfu / measured - 1) < 0.10
 
 
+LLAMA_3B = read_model_args(BENCH_MODELS / "llama-3.2-3b")
+LORA = {"dtype": "bfloat16", "lora_r": 16, "activation_checkpointing": 0, "compiled": True, "loss_chunk": 2048}
+
+
 def workload(**changes) -> Workload:
-    # Llama-3.2-3B-like LoRA r16: 24.3 M float32 trainable, 3.6 B parameters, 13.74 GFLOP per token (shared mix)
-    base = dict(tokens=4.5e6 * 3, tokens_per_gpu_step=16_300, micro_batches=1, flops_token=13.74e9,
-                weights=3_212_574_720, params=3_606_752_256, trainable=24_313_856, param_bytes=2, grad_bytes=4)
+    # Llama-3.2-3B-like LoRA r16: 24.3 M float32 trainable, 3.6 B parameters, 13.74 GFLOP per token (shared mix);
+    # a global micro-batch of 16,384 slots (4 rows of 4,096) packed at 99.49%: 16,300 real tokens per step
+    base = dict(tokens=4.5e6 * 3, tokens_per_batch=16_384, micro_batches=1, efficiency=16_300 / 16_384,
+                max_seq_len=4096, flops_token=13.74e9, weights=3_212_574_720, params=3_606_752_256,
+                trainable=24_313_856, param_bytes=2, grad_bytes=4, memory=MemorySpec(LLAMA_3B, "lora", LORA))
     return Workload(**{**base, **changes})
 
 
@@ -81,7 +89,7 @@ def test_prediction_on_known_inputs():
     assert p1.total_s == pytest.approx(86 + p1.steps * 16_300 / p1.tokens_per_s_1)
     assert p1.gpu_hours == pytest.approx(p1.total_s / 3600)
     p8 = predict(w, GPUS["H200"], 8, startup_s=86)
-    assert p8.strategy == "ddp" and 0.99 < p8.efficiency < 1.0 and p8.steps == math.ceil(p1.steps / 8)
+    assert p8.strategy == "ddp" and 0.99 < p8.efficiency < 1.0
     # an H100 has the H200's peak: the same rate; an L40S gets 362 / 989 of it
     assert predict(w, GPUS["H100"], 1).tokens_per_s_1 == pytest.approx(p1.tokens_per_s_1)
     assert predict(w, GPUS["L40S"], 1).tokens_per_s_1 == pytest.approx(p1.tokens_per_s_1 * 362 / 989)
@@ -90,18 +98,91 @@ def test_prediction_on_known_inputs():
     assert toks == pytest.approx(34_100 * 2250 / 989)
 
 
+def test_global_batch_is_split_over_the_gpus_as_training_splits_it():
+    """data.tokens_per_batch is the global micro-batch (gapless.data.sharding): 8 GPUs train the same tokens per
+    optimizer step as one, in the same number of steps, each GPU an eighth of them."""
+    w = workload(tokens_per_batch=32_768, micro_batches=2)  # 8 rows of 4,096, 2 micro-batches per step
+    p1, p8 = (predict(w, GPUS["H200"], n, startup_s=86) for n in (1, 8))
+    assert w.step_tokens(32_768) == pytest.approx(32_768 * 2 * 16_300 / 16_384)
+    assert (p1.tokens_per_batch, p1.rank_tokens) == (32_768, 32_768)
+    assert (p8.tokens_per_batch, p8.rank_tokens) == (32_768, 4096)
+    assert p8.steps == p1.steps == math.ceil(13.5e6 / w.step_tokens(32_768))
+    assert p8.compute_s == pytest.approx(p1.compute_s / 8)
+    # the memory model sees each GPU's micro-batch: 4,096 slots, not 32,768
+    assert p8.peak_ddp_gib == pytest.approx(w.memory.estimate(4096).total_gib)
+    assert p8.peak_fsdp2_gib == pytest.approx(w.memory.estimate(4096, shards=8).total_gib)
+    assert p8.peak_fsdp2_gib < p8.peak_ddp_gib
+    # 3 rows cannot be dealt to 2 GPUs: the same refusal as the sampler's
+    (p2,) = verdicts([predict(workload(tokens_per_batch=3 * 4096), GPUS["H200"], 2)], w)
+    assert "cannot share equally" in p2.problems[0] and "multiple of 8192" in p2.verdict
+    assert predict(workload(batching="padded", tokens_per_batch=16_384), GPUS["H200"], 2).problems[0].startswith(
+        "data.batching: 'padded' with 2 processes")
+
+
+def test_memory_verdicts_and_fixes():
+    """3B LoRA at 16,384 tokens: ~49 GiB fits an H200 (131 GiB) and an H100 (74.5) with room, not a 24 GB RTX
+    4090, whose fixes are a smaller micro-batch (the same tokens per step), checkpointing and 4 GPUs."""
+    w = workload()
+    h200, h100, rtx = (predict(w, GPUS[g], 1) for g in ("H200", "H100", "RTX4090"))
+    assert h200.fit == "fits" and h200.peak_gib == pytest.approx(w.memory.estimate(16_384).total_gib)
+    assert 40 < h200.peak_gib < 50 and h200.fixes == [] and h100.fit == "fits"
+    assert rtx.fit == "does not fit"
+    fixes = "\n".join(rtx.fixes)
+    assert "data.tokens_per_batch: 4,096  train.grad_accum: 4" in fixes  # one row of 4,096 fits 90% of 22.4 GiB
+    assert "model.activation_checkpointing: 1 (costs 33% of throughput" in fixes
+    assert "method: qlora" not in fixes  # QLoRA shrinks the weights (6 GiB), not 16,384 tokens of activations
+    assert "RTX4090x4 (DDP; 18.4 GiB per GPU at 4,096 slots each)" in fixes  # x2: 8,192 do not fit
+    # tight: between 90% and 100% of the memory
+    assert fit_of(0.95 * 80, 80) == "tight" and fit_of(0.9 * 80, 80) == "fits" and fit_of(81, 80) == "does not fit"
+    # Llama-3.1-8B full fine-tuning (~18 B per weight) does not fit one H200; FSDP2 over more H200s does
+    big = read_model_args(BENCH_MODELS / "llama-3.1-8b")
+    full = workload(method="full", memory=MemorySpec(big, "full", LORA), trainable=8_030_261_248,
+                    params=8_030_261_248, grad_bytes=2)
+    one = predict(full, GPUS["H200"], 1)
+    assert one.fit == "does not fit" and any(f.startswith("H200x2 (FSDP2, parallel.strategy: fsdp;") for f in one.fixes)
+    two = predict(full, GPUS["H200"], 2)  # auto: full fine-tuning shards
+    assert two.strategy == "fsdp2" and two.fit == "fits" and two.peak_fsdp2_gib < two.peak_ddp_gib
+    assert predict(workload(method="qlora"), GPUS["H200"], 2, strategy="fsdp2").problems[0].startswith(
+        "method qlora: FSDP2 cannot shard")
+
+
+def test_auto_tokens_per_batch_is_resolved_per_gpu():
+    from gapless.meter.memory import auto_tokens
+
+    w = workload(tokens_per_batch="auto")
+    p = predict(w, GPUS["H100"], 1)
+    assert p.rank_tokens == auto_tokens(LLAMA_3B, "lora", GPUS["H100"].memory_gib, 4096, **LORA) > 16_384
+    assert p.fit == "fits" and not p.problems
+    p4 = predict(w, GPUS["H100"], 4)  # auto does not run under torchrun: the plan names the number to set
+    assert p4.tokens_per_batch == 4 * p.rank_tokens
+    assert f"data.tokens_per_batch: {4 * p.rank_tokens:,}" in p4.problems[0]
+
+
 def test_where_more_gpus_stop_paying():
     w = workload()
-    preds = verdicts([predict(w, GPUS["H200"], n, startup_s=86) for n in (1, 8)])
-    assert "the model fits one GPU with room" in preds[1].verdict
-    assert "less than the start-up" in preds[1].verdict  # 13.5 M tokens / 8 GPUs: ~51 s of training
-    # full fine-tuning of a 14 B model over PCIe: 26 GiB of bf16 weights do not fit one 24 GB card, and FSDP2's
-    # traffic (3/4 x 84 GB per 4,096-token step at 32 GB/s: 2.0 s) against 4.1 s of compute: 67%
-    full = workload(params=14_000_000_000, trainable=14_000_000_000, grad_bytes=2, weights=13_000_000_000,
-                    flops_token=84e9, tokens=1e9, tokens_per_gpu_step=4096)
-    preds = verdicts([predict(full, GPUS["RTX4090"], n) for n in (1, 4)])
-    assert preds[0].verdict.startswith("does not fit")
-    assert preds[1].strategy == "fsdp2" and preds[1].efficiency < 0.8 and "stop: efficiency" in preds[1].verdict
+    preds = verdicts([predict(w, GPUS["H200"], n, startup_s=86) for n in (1, 8)], w)
+    assert preds[0].verdict.startswith("fits:")
+    # 13.5 M tokens / (8 x 32,960 tok/s x 99.4% efficiency): 52 s of training, under the 86 s start-up
+    assert any(s.startswith("start-up: training takes 52 s, less than the 86 s start-up") for s in preds[1].stops)
+    assert any(s.startswith("one GPU: the run fits one H200 with room") for s in preds[1].stops)
+    lines = "\n".join(where_more_stop(w, GPUS["H200"], [8], startup_s=86))
+    assert "start-up:   from x8 training takes 52 s, less than the 86 s start-up" in lines  # x4: 103 s
+    assert "efficiency: 99% at x8 (ddp), not under 80%" in lines
+    assert "=> more H200s stop paying at x8; use x1 to x4 (one GPU per run when there are several runs)" in lines
+    # a long run: nothing stops up to x8, and fitting one GPU says "several runs: one GPU each"
+    long = "\n".join(where_more_stop(workload(tokens=1e10), GPUS["H200"], startup_s=86))
+    assert "=> more H200s pay up to x8 for one run's time; with several runs, one GPU each" in long
+    # full fine-tuning of an 8B model over PCIe: FSDP2's traffic (2 x 3/4 x 16 GB of bf16 weights per step at
+    # 32 GB/s: 0.75 s) against the L40S's compute of 16,300 tokens / 4 at ~1,300 tok/s: efficiency under 80%
+    big = read_model_args(BENCH_MODELS / "llama-3.1-8b")
+    full = workload(method="full", memory=MemorySpec(big, "full", LORA), trainable=8_030_261_248,
+                    params=8_030_261_248, grad_bytes=2, flops_token=48e9, weights=6_979_321_856, tokens=1e9)
+    (p4,) = verdicts([predict(full, GPUS["L40S"], 4)], full)
+    assert p4.strategy == "fsdp2" and p4.efficiency < 0.8
+    assert any(s.startswith("efficiency") and "PCIe 4.0 x16" in s for s in p4.stops)
+    text = "\n".join(where_more_stop(full, GPUS["L40S"], [4]))
+    assert re.search(r"efficiency: under 80% from x2 \(\d+%", text) and "does not fit on one L40S" in text
+    assert re.search(r"x(\d) is the fewest that fits.*\n.*=> x\1 is the fewest L40Ss that fit and scales at", text)
 
 
 def test_plan_command_on_the_demo(tmp_path, capsys):
@@ -115,7 +196,17 @@ def test_plan_command_on_the_demo(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "c.yaml"), "--gpus", "GB10,H100,H100x8", "--measured", "20000@H200"]) == 0
     out = capsys.readouterr().out
     assert "H100x8" in out and "GB10x1" in out and "measured 20,000 tok/s on H200" in out
-    assert "needs methods:" in out and "start-up" in out
+    assert "global batch: data.tokens_per_batch 256 slots is the micro-batch of all GPUs together" in out
+    assert "cannot share equally" in out  # 4 rows of 64 over 8 GPUs
+    assert "where more H100s stop paying" in out and "start-up" in out and "fits:" in out
+    # auto must not crash: resolved per GPU by the memory model
+    assert main(["plan", str(tmp_path / "c.yaml"), "data.tokens_per_batch=auto", "--gpus", "H100,H100x2",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"]["tokens_per_batch"] == "auto"
+    one, two = result["predictions"]
+    assert one["rank_tokens"] % 64 == 0 and one["rank_tokens"] > 256 and "auto does not run" in two["problems"][0]
+    assert result["where_more_gpus_stop_paying"][0].startswith("where more H100s stop paying")
 
 
 def test_measured_rate_from_a_run_folder(tmp_path):
@@ -149,5 +240,5 @@ def test_plan_uses_the_measured_peak_of_the_gpu_here(tmp_path):
     cfg = load_config(data={"model": {"path": str(model)}, "data": {"sources": [{"path": str(data)}], "max_seq_len": 64,
                                                                      "tokens_per_batch": 256, "num_workers": 0,
                                                                      "cache_dir": str(tmp_path / "cache")}})
-    (p,), _ = plan(cfg, here.name)
+    (p,), _, _ = plan(cfg, here.name)
     assert "measured peak" in p.source

@@ -305,6 +305,8 @@ def register_doctor(sub) -> None:
                         "samples show); without it, the environment only")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="the GPUs (processes) the run will use, as "
+                   "`gapless train --nproc N` (default WORLD_SIZE under torchrun, else 1)")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
                    help="what differs between two run folders' environment.json and config.yaml")
     p.add_argument("--nccl", action="store_true", help="all-reduce bandwidth across the visible GPUs, 1 MiB to 1 GiB "
@@ -335,7 +337,7 @@ def run_doctor(args) -> int:
         return 0
     from gapless.diagnosis.doctor import diagnose_target, format_findings, to_json
 
-    result = diagnose_target(args.config, args.overrides)
+    result = diagnose_target(args.config, args.overrides, gpus=args.nproc)
     print(to_json(result) if args.json else format_findings(result["findings"]))
     if not args.json and result["facts"].get("step_source"):
         print(f"step time: {result['facts']['step_source']}")
@@ -344,14 +346,15 @@ def run_doctor(args) -> int:
 
 def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict time, GPU-hours and scaling of a config on named GPUs",
-                       description="Predict the run's time to train, weights per GPU, scaling efficiency (DDP "
+                       description="Predict the run's time to train, memory per GPU (DDP replica or FSDP2 "
+                                   "shards; fits / tight / does not fit, with the fix), scaling efficiency (DDP "
                                    "gradient or FSDP2 parameter traffic over the link) and GPU-hours on each GPU "
                                    "choice, and say where more GPUs stop paying. See gapless/diagnosis/plan.py.")
     p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
-    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp2"],
-                   help="auto: FSDP2 when the weights take over half of one GPU, else DDP")
+    p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp2"],
+                   help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA)")
     p.add_argument("--run", metavar="RUN", help="a run folder whose measured tokens/s replaces the stated figure")
     p.add_argument("--measured", metavar="TOKS@GPU", help="a measured single-GPU rate, e.g. 34100@H200")
     p.add_argument("--startup-s", type=float, default=None, help="start-up seconds (default 86, the H200 1B run)")
@@ -365,16 +368,16 @@ def run_plan(args) -> int:
     from gapless.config import load_config
     from gapless.diagnosis.plan import format_plan, plan, plan_json
 
-    preds, workload = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
-                           run=args.run, measured=args.measured, startup_s=args.startup_s)
-    print(json.dumps(plan_json(preds, workload)) if args.json else format_plan(preds, workload))
+    preds, workload, stops = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
+                                  run=args.run, measured=args.measured, startup_s=args.startup_s)
+    print(json.dumps(plan_json(preds, workload, stops)) if args.json else format_plan(preds, workload, stops))
     return 0
 
 
 def register_compare_precision(sub) -> None:
-    p = sub.add_parser("compare-precision", help="the same steps under fp32, TF32 and bf16: loss differences, speed",
+    p = sub.add_parser("compare-precision", help="the same steps under fp32, TF32, bf16 and fp16: loss and speed",
                        description="Run the config for --steps optimizer steps with the same seeds and batches under "
-                                   "fp32 (TF32 off, the reference), TF32 on, bf16 (and fp16 once it has a loss "
+                                   "fp32 (TF32 off, the reference), TF32 on, bf16 and fp16 (with the dynamic loss "
                                    "scaler); print the loss differences and tokens/s; write precision.html with the "
                                    "curves. See gapless/diagnosis/precision.py.")
     p.add_argument("config", help="the run's YAML config")

@@ -56,20 +56,33 @@ def split_rows(tokens: list[int], ranks: int, per_rank: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+def rank_tokens(strategy: str, tokens_per_batch: int, max_seq_len: int, world_size: int,
+                sharded: bool = False) -> int:
+    """Slots of each rank's micro-batch: data.tokens_per_batch is the GLOBAL micro-batch, its packed rows dealt
+    out equally (rows_per_batch / world_size rows of max_seq_len each), so a step trains the same tokens at any
+    number of GPUs. ValueError when `world_size` processes cannot share it (what ShardedSampler refuses).
+    sharded: the stream is split even at world_size 1 (a torchrun launch of one process)."""
+    if world_size == 1 and not sharded:
+        return tokens_per_batch
+    if strategy != "packed":
+        raise ValueError(f"data.batching: {strategy!r} with {world_size} processes; several processes "
+                         "split packed rows between them: use data.batching: packed")
+    rows = tokens_per_batch // max_seq_len
+    if rows % world_size:
+        raise ValueError(
+            f"data.tokens_per_batch: {tokens_per_batch} is {rows} rows of max_seq_len {max_seq_len}, which "
+            f"{world_size} processes cannot share equally; it is the global batch: make it a multiple of "
+            f"{world_size * max_seq_len}")
+    return rows // world_size * max_seq_len
+
+
 class ShardedSampler(BatchSampler):
     """The global BatchSampler's stream (same plan, same iteration, same state), each batch collated as this rank's
     rows of it."""
 
     def __init__(self, mix, *, rank: int, world_size: int, **settings):
         super().__init__(mix, **settings)
-        if self.strategy != "packed":
-            raise ValueError(f"data.batching: {self.strategy!r} with {world_size} processes; several processes "
-                             "split packed rows between them: use data.batching: packed")
-        if self.rows_per_batch % world_size:
-            raise ValueError(
-                f"data.tokens_per_batch: {self.tokens_per_batch} is {self.rows_per_batch} rows of max_seq_len "
-                f"{self.max_seq_len}, which {world_size} processes cannot share equally; it is the global batch: "
-                f"make it a multiple of {world_size * self.max_seq_len}")
+        rank_tokens(self.strategy, self.tokens_per_batch, self.max_seq_len, world_size, sharded=True)  # or raises
         self.rank, self.world_size = rank, world_size
         self.rows_per_rank = self.rows_per_batch // world_size
         # collates this rank's rows: the same data and settings, rows_per_rank rows per batch

@@ -439,12 +439,25 @@ def check_batching(cfg: RunConfig, efficiencies: dict[str, float]) -> list[Findi
 
 
 def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> list[Finding]:
+    """data.tokens_per_batch is the GLOBAL micro-batch: under torchrun its packed rows are dealt out over the GPUs
+    (gapless.data.sharding.rank_tokens), so the global tokens per optimizer step = per-GPU slots x accumulation x
+    GPUs = tokens_per_batch x accumulation, the same at any GPU count (and the same gradient, train/parallel.py)."""
+    from gapless.data.sharding import rank_tokens
+
     d = cfg.data
     slots = d.tokens_per_batch if d.batching != "packed" else (d.tokens_per_batch // d.max_seq_len) * d.max_seq_len
     k = cfg.train.grad_accum
-    detail = (f"global batch = {d.tokens_per_batch:,} slots x {k} accumulation x {gpus} GPU(s) = "
-              f"{d.tokens_per_batch * k * gpus:,} slots, about {slots * k * gpus * efficiency:,.0f} real tokens per "
-              "optimizer step")
+    try:
+        per_gpu = rank_tokens(d.batching, d.tokens_per_batch, d.max_seq_len, gpus)
+    except ValueError as e:
+        return _f("cfg.tokens_per_step", "error", f"{gpus} GPUs: {e}", "the run stops before its first step",
+                  f"data.tokens_per_batch: {max(1, slots // (gpus * d.max_seq_len)) * gpus * d.max_seq_len:,}"
+                  if d.batching == "packed" else "data.batching: packed")
+    per_gpu_slots = per_gpu if gpus > 1 else slots
+    detail = (f"global batch = {per_gpu_slots:,} slots per GPU x {k} accumulation x {gpus} GPU(s) = "
+              f"{per_gpu_slots * k * gpus:,} slots, about {per_gpu_slots * k * gpus * efficiency:,.0f} real tokens "
+              "per optimizer step" + (f" (data.tokens_per_batch {d.tokens_per_batch:,} is the global micro-batch, "
+                                      f"split over the {gpus} GPUs)" if gpus > 1 else ""))
     if d.batching in ("packed", "pad_to_max") and d.tokens_per_batch % d.max_seq_len:
         lost = 1 - slots / d.tokens_per_batch
         return _f("cfg.tokens_per_step", "warning", detail + f"; tokens_per_batch is not a multiple of max_seq_len "
@@ -453,13 +466,52 @@ def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> l
     return _f("cfg.tokens_per_step", "info", detail)
 
 
+def resolve_auto_tokens(cfg: RunConfig, env: dict, args, gpus: int = 1) -> tuple[RunConfig, list[Finding]]:
+    """cfg with data.tokens_per_batch "auto" replaced by a number the other checks can use, and a finding: on a
+    GPU the batch finder's proposal by the memory model (gapless.meter.memory.auto_tokens); under torchrun (auto
+    is refused there) and without a GPU (auto measures GPU memory) an error whose fix is the number assumed."""
+    from dataclasses import replace
+
+    d = cfg.data
+    if d.tokens_per_batch != "auto":
+        return cfg, []
+    pick, where = 0, ""
+    if _is_gpu(cfg, env) and args is not None:
+        from gapless.meter.memory import auto_tokens, estimate_kwargs
+
+        g = _gpus(env)[0]
+        pick = auto_tokens(args, cfg.method, g["memory_gib"], d.max_seq_len, **estimate_kwargs(cfg))
+        where = f"{g['name']}'s {g['memory_gib']:.0f} GiB"
+    if _is_gpu(cfg, env) and args is not None and not pick:
+        resolved = d.max_seq_len
+        found = _f("cfg.tokens_per_batch", "error", f"data.tokens_per_batch auto: not one row of "
+                   f"{d.max_seq_len:,} tokens fits 90% of {where} by the memory model", "the run does not start",
+                   "model.activation_checkpointing: 1, method: qlora, or FSDP2 over several GPUs (gapless plan)")
+    elif pick and gpus == 1:
+        resolved = pick
+        found = _f("cfg.tokens_per_batch", "info", f"data.tokens_per_batch auto: the batch finder is predicted to "
+                   f"pick ~{pick:,} tokens per micro-batch on {where} (90% of it by the memory model, less 10%); the "
+                   "checks below use that number, the run measures its own")
+    else:
+        resolved = pick * gpus if pick else max(d.max_seq_len, 16384 // d.max_seq_len * d.max_seq_len) * gpus
+        cpu_why = NO_GPU if not env["gpu"]["cuda_available"] else "model.device cpu"
+        why = (f"does not run under torchrun yet ({gpus} GPUs: each rank would choose its own)" if gpus > 1 else
+               f"measures the GPU's memory, and this run is on the CPU ({cpu_why})")
+        found = _f("cfg.tokens_per_batch", "error", f"data.tokens_per_batch auto {why}; the checks below assume the "
+                   f"fix's {resolved:,}", "the run stops before its first step",
+                   f"data.tokens_per_batch: {resolved:,}" + (f" (the global batch: {resolved // gpus:,} per GPU"
+                                                             + (", as auto would pick" if pick else "") + ")"
+                                                             if gpus > 1 else ""))
+    return replace(cfg, data=replace(d, tokens_per_batch=resolved)), found
+
+
 def check_accumulation(cfg: RunConfig) -> list[Finding]:
     d, k = cfg.data, cfg.train.grad_accum
     if k > 1 and d.tokens_per_batch <= d.max_seq_len:
         return _f("cfg.accumulation", "warning", f"train.grad_accum {k} over micro-batches of one "
                   f"{d.max_seq_len:,}-token row (the seed's 'batch 1 x accumulation' habit)",
-                  "small micro-batches leave the GPU under-filled (not predicted: needs methods:'s memory model; "
-                  "`gapless gap` measures it)", f"data.tokens_per_batch: {d.tokens_per_batch * k}  train.grad_accum: "
+                  "small micro-batches leave the GPU under-filled (not predicted; `gapless gap` measures it, and "
+                  "`gapless train CONFIG --dry-run` says whether the larger batch fits)", f"data.tokens_per_batch: {d.tokens_per_batch * k}  train.grad_accum: "
                   "1 (the same tokens per step, if memory allows)")
     return _f("cfg.accumulation", "ok", f"train.grad_accum {k}: accumulation itself costs little (measured 0.05% "
               "at 2 x 8,192 tokens on an H200, bench/RESULTS.md)")
@@ -523,36 +575,49 @@ def check_cache(summary) -> list[Finding]:
     return _f("cfg.cache", "ok", f"the token cache is warm for all {len(summary.sources)} source(s)")
 
 
-def check_memory(cfg: RunConfig, env: dict, args) -> list[Finding]:
-    """The run's predicted peak (gapless.meter.memory: weights, trainable copies, gradients, optimizer state,
-    activations of the micro-batch, the loss's chunk, the allocator's reserve) against the GPU's memory."""
-    from gapless.meter.memory import estimate_memory, max_tokens
+def memory_setting(cfg: RunConfig, env: dict, gpus: int = 1) -> tuple[int, int, str, dict]:
+    """(tokens of each GPU's micro-batch, the GPUs FSDP2 shards over (1: one GPU or DDP), the strategy, the memory
+    model's keyword arguments) for this run, as training places it (gapless.train.parallel, data.sharding)."""
+    from gapless.diagnosis.plan import resolve_strategy
+    from gapless.meter.memory import estimate_kwargs
+
+    d = cfg.data
+    strategy = resolve_strategy(cfg.parallel.strategy, cfg.method, gpus)
+    rank = d.tokens_per_batch if gpus == 1 or d.tokens_per_batch == "auto" else \
+        max(d.max_seq_len, d.tokens_per_batch // gpus // d.max_seq_len * d.max_seq_len)
+    compiled = cfg.model.compile is True or (cfg.model.compile == "auto" and _is_gpu(cfg, env))
+    return rank, gpus if strategy == "fsdp2" else 1, strategy, estimate_kwargs(cfg, compiled)
+
+
+def check_memory(cfg: RunConfig, env: dict, args, gpus: int = 1) -> list[Finding]:
+    """The run's predicted peak per GPU (gapless.meter.memory: weights, trainable copies, gradients, optimizer state,
+    activations of each GPU's micro-batch, the loss's chunk, the allocator's reserve; FSDP2 shards the state over
+    the GPUs, DDP replicates it) against the GPU's memory, with the config lines that make it fit."""
+    from gapless.diagnosis.plan import MemorySpec, gpu_from_name, memory_fixes
+    from gapless.meter.memory import estimate_memory
 
     if args is None:
         return _f("cfg.memory", "info", "the model's config.json was not read: memory not predicted")
-    tokens = cfg.data.tokens_per_batch
-    if tokens == "auto":
-        return _f("cfg.memory", "ok", "data.tokens_per_batch auto: the batch finder sizes the micro-batch to about "
-                  "90% of the free memory, backed off 10%")
-    gpu = _is_gpu(cfg, env)
-    kwargs = dict(dtype=cfg.model.dtype, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-                  activation_checkpointing=cfg.model.activation_checkpointing,
-                  compiled=cfg.model.compile is True or (cfg.model.compile == "auto" and gpu))
-    peak = estimate_memory(args, cfg.method, tokens=tokens, **kwargs).total_gib
-    what = f"predicted peak {peak:.1f} GiB at {tokens:,} tokens per micro-batch ({cfg.method})"
-    if not gpu:
+    rank, shards, strategy, kwargs = memory_setting(cfg, env, gpus)
+    peak = estimate_memory(args, cfg.method, tokens=rank, shards=shards, **kwargs).total_gib
+    what = (f"predicted peak {peak:.1f} GiB per GPU at {rank:,} tokens per micro-batch ({cfg.method}"
+            + (f", {strategy} over {gpus} GPUs" if gpus > 1 else "") + ")")
+    if not _is_gpu(cfg, env):
         return _f("cfg.memory", "info", f"{NO_GPU}; {what} (`gapless train CONFIG --dry-run` shows the table)")
     g = _gpus(env)[0]
     cap = g["memory_gib"]
-    if peak > 0.95 * cap:
-        fit = max_tokens(args, cfg.method, 0.9 * cap, **kwargs)
-        fix = (f"data.tokens_per_batch: {fit:,} (or auto)" if fit >= cfg.data.max_seq_len else
-               "method: qlora, model.activation_checkpointing: 1, or FSDP2 over several GPUs (gapless plan)")
-        return _f("cfg.memory", "error", f"{what} against {g['name']}'s {cap:.0f} GiB",
-                  "the run does not fit: out of memory at the first step", fix)
     if peak > 0.9 * cap:
-        return _f("cfg.memory", "warning", f"{what}: {peak / cap:.0%} of {g['name']}'s {cap:.0f} GiB",
-                  "little headroom: fragmentation can end the run out of memory", "data.tokens_per_batch: auto")
+        try:
+            name = gpu_from_name(g["name"]).name
+        except ValueError:
+            name = "GPU"
+        fixes = memory_fixes(MemorySpec(args, cfg.method, kwargs), cfg.data.max_seq_len, cfg.train.grad_accum, name,
+                             cap, gpus, strategy, rank * gpus)
+        if peak > cap:
+            return _f("cfg.memory", "error", f"{what} against {g['name']}'s {cap:.0f} GiB",
+                      "the run does not fit: out of memory at the first step", " | ".join(fixes))
+        return _f("cfg.memory", "warning", f"{what}: {peak / cap:.0%} of {g['name']}'s {cap:.0f} GiB (over 90%)",
+                  "little headroom: fragmentation or a long batch can end the run out of memory", " | ".join(fixes))
     return _f("cfg.memory", "ok", f"{what}: {peak / cap:.0%} of {g['name']}'s {cap:.0f} GiB")
 
 
@@ -563,24 +628,68 @@ def check_precision(cfg: RunConfig, env: dict) -> list[Finding]:
                   f"matmuls at {TF32_VS_BF16:.0%} of the bf16 rate with TF32, {FP32_VS_TF32 * TF32_VS_BF16:.0%} "
                   "without (H100/A100 datasheets)", "model.dtype: bfloat16 (check the loss: gapless compare-precision)")
     if dtype == "float16":
-        return _f("cfg.precision", "warning", "model.dtype float16: gapless has no loss scaler yet (issue 14), so "
-                  "small gradients can underflow to zero", "not predicted: training may stall",
-                  "model.dtype: bfloat16 (GPUs of compute capability 8.0+)")
+        return _f("cfg.precision", "info", "model.dtype float16: trained with the dynamic loss scaler "
+                  "(gapless.train.loss_scale; overflowing steps are skipped and counted in metrics.jsonl)",
+                  "not predicted: skipped steps while the scale settles", "model.dtype: bfloat16 on GPUs of compute "
+                  "capability 8.0+ (no scaler needed); `gapless compare-precision` compares them on your run")
     if not _is_gpu(cfg, env) and dtype != "float32":
         return _f("cfg.precision", "info", f"model.dtype {dtype} on the CPU: most CPUs have no fast {dtype} matmul",
                   "not predicted", "model.dtype: float32 for CPU runs")
     return _f("cfg.precision", "ok", f"model.dtype {dtype}")
 
 
-def check_activation_checkpointing(cfg: RunConfig) -> list[Finding]:
+# the micro-batch the H200 MFU figures were measured at (gapless.diagnosis.plan.H200_RUNS): a batch finder that
+# still gets this many tokens per micro-batch without checkpointing keeps the GPU as busy
+FULL_MICRO_BATCH = 16_384
+
+
+def check_activation_checkpointing(cfg: RunConfig, env: dict | None = None, args=None, gpus: int = 1,
+                                   auto: bool = False) -> list[Finding]:
+    """Checkpointing costs recomputed forward FLOPs (RECOMPUTE_COST); it is a finding when the memory model says
+    the run fits 90% of the GPU without it (auto: when the batch finder would still get FULL_MICRO_BATCH tokens)."""
     every = cfg.model.activation_checkpointing
-    if every:
-        cost = RECOMPUTE_COST.get(cfg.method, RECOMPUTE_COST["lora"]) / every
-        return _f("cfg.activation_checkpointing", "warning", f"model.activation_checkpointing {every}: every "
-                  f"{'' if every == 1 else f'{every}-th '}layer's forward runs twice; whether memory requires it is "
-                  "not predicted (needs methods:'s memory model)", f"{cost:.0%} of throughput (recomputed forward "
-                  "FLOPs)", "model.activation_checkpointing: 0 (if the run fits without it)")
-    return _f("cfg.activation_checkpointing", "ok", "activation checkpointing off")
+    if not every:
+        return _f("cfg.activation_checkpointing", "ok", "activation checkpointing off")
+    L = args.num_hidden_layers if args is not None else None
+    share = len(range(0, L, every)) / L if L else 1 / every
+    cost = f"{RECOMPUTE_COST[cfg.method] * share:.0%} of throughput (the forward of " + \
+        (f"{len(range(0, L, every))} of {L} layers" if L else f"1 in {every} layers") + " runs twice)"
+    fix = "model.activation_checkpointing: 0"
+    setting = f"model.activation_checkpointing {every}"
+    if args is None or env is None:
+        return _f("cfg.activation_checkpointing", "warning", f"{setting}: whether memory requires it is not predicted "
+                  "(the model's config.json was not read)", cost, fix + " (if the run fits without it)")
+    from gapless.meter.memory import auto_tokens, estimate_memory
+
+    rank, shards, _, kwargs = memory_setting(cfg, env, gpus)
+    off = {**kwargs, "activation_checkpointing": 0}
+    auto = auto or rank == "auto"
+    if not auto:
+        without = estimate_memory(args, cfg.method, tokens=rank, shards=shards, **off).total_gib
+        with_ = estimate_memory(args, cfg.method, tokens=rank, shards=shards, **kwargs).total_gib
+    if not _is_gpu(cfg, env) and auto:
+        return _f("cfg.activation_checkpointing", "info", f"{setting} with data.tokens_per_batch auto: {NO_GPU} to "
+                  "size the batch on", cost)
+    if not _is_gpu(cfg, env):
+        return _f("cfg.activation_checkpointing", "info", f"{setting}: {NO_GPU} to compare with; predicted "
+                  f"{without:.1f} GiB per GPU without it, {with_:.1f} with it, at {rank:,} tokens per micro-batch",
+                  cost, fix + " (if the GPU has more than " f"{without / 0.9:.0f} GiB)")
+    g = _gpus(env)[0]
+    cap = g["memory_gib"]
+    if auto:
+        pick = auto_tokens(args, cfg.method, cap, cfg.data.max_seq_len, shards=shards, **off)
+        if pick >= FULL_MICRO_BATCH:
+            return _f("cfg.activation_checkpointing", "warning", f"{setting} with data.tokens_per_batch auto: "
+                      f"without it the batch finder is still predicted to pick ~{pick:,} tokens per micro-batch on "
+                      f"{g['name']}'s {cap:.0f} GiB: memory does not require it", cost, fix)
+        return _f("cfg.activation_checkpointing", "ok", f"{setting}: without it auto would get only {pick:,} tokens "
+                  f"per micro-batch (under {FULL_MICRO_BATCH:,}) on {g['name']}'s {cap:.0f} GiB")
+    if without <= 0.9 * cap:
+        return _f("cfg.activation_checkpointing", "warning", f"{setting}: the memory model predicts {without:.1f} GiB "
+                  f"per GPU without it ({without / cap:.0%} of {g['name']}'s {cap:.0f} GiB; {with_:.1f} with it) at "
+                  f"{rank:,} tokens per micro-batch: memory does not require it", cost, fix)
+    return _f("cfg.activation_checkpointing", "ok", f"{setting}: needed; without it {without:.1f} GiB per GPU, over "
+              f"90% of {g['name']}'s {cap:.0f} GiB ({with_:.1f} with it)")
 
 
 def check_compile(cfg: RunConfig, env: dict) -> list[Finding]:
@@ -600,11 +709,25 @@ def quick_checks(cfg: RunConfig, env: dict | None = None) -> list[Finding]:
     """The checks `gapless train` runs at startup: no data, no disk probe, no GPU work (well under a second)."""
     from gapless.diagnosis.environment import environment_record
 
+    from gapless.model.loading import read_model_args
+
     env = environment_record(probe_kernels=False) if env is None else env
+    gpus = world_size()
+    try:
+        args = read_model_args(cfg.model.path)  # config.json only
+    except ValueError:
+        args = None  # the run itself says what is wrong with model.path
     out = [f for check in ENV_CHECKS for f in check(env, cfg)]
-    out += check_tokens_per_step(cfg, 1.0) + check_accumulation(cfg) + check_logging(cfg) + \
-        check_precision(cfg, env) + check_activation_checkpointing(cfg) + check_compile(cfg, env)
+    auto = cfg.data.tokens_per_batch == "auto"
+    cfg, found = resolve_auto_tokens(cfg, env, args, gpus)
+    out += found + check_tokens_per_step(cfg, 1.0, gpus) + check_accumulation(cfg) + check_logging(cfg) + \
+        check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + check_compile(cfg, env)
     return out
+
+
+def world_size() -> int:
+    """The processes of a torchrun launch (WORLD_SIZE), else 1."""
+    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def serious(findings: list[Finding]) -> list[Finding]:
@@ -625,11 +748,11 @@ def build_run_data(cfg: RunConfig):
         return build_data(cfg.data, Path(cfg.data.tokenizer or cfg.model.path))
 
 
-def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_token: float, weights: int) -> \
-        tuple[float | None, str]:
-    """Seconds per optimizer step: an earlier run in output_dir (its measured real tokens/s), else the plan's
-    single-GPU figure for the GPU here over every slot of the step (padding costs compute as a token does), else
-    None."""
+def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_token: float, weights: int,
+                     gpus: int = 1) -> tuple[float | None, str]:
+    """Seconds per optimizer step: an earlier run in output_dir (its measured real tokens/s, all GPUs together),
+    else the plan's single-GPU figure for the GPU here over each GPU's share of the step's slots (padding costs
+    compute as a token does; traffic between GPUs left out: gapless plan), else None."""
     from gapless.diagnosis.plan import gpu_from_name, measured_from_run, single_gpu_tokens_per_s
 
     try:
@@ -643,13 +766,16 @@ def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_toke
         except ValueError as e:
             return None, str(e)
         toks, source = single_gpu_tokens_per_s(gpu, flops_token, weights)
-        slots = cfg.data.tokens_per_batch * cfg.train.grad_accum
-        return slots / toks, f"predicted for {slots:,} slots per step at {toks:,.0f} tok/s = {source}"
+        slots = cfg.data.tokens_per_batch * cfg.train.grad_accum / gpus
+        return slots / toks, (f"predicted for {slots:,.0f} slots per step" + (" per GPU" if gpus > 1 else "")
+                              + f" at {toks:,.0f} tok/s = {source}")
     return None, f"{NO_GPU} and no earlier run in {cfg.output_dir}"
 
 
-def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool = True) -> dict:
-    """Every check; returns {"findings": [...], "facts": {...}} (what the predictions used)."""
+def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool = True,
+             gpus: int | None = None) -> dict:
+    """Every check; returns {"findings": [...], "facts": {...}} (what the predictions used). gpus: the processes
+    the run will be launched with (`gapless train --nproc N`, torchrun); default WORLD_SIZE, else 1."""
     from gapless.data.batching import BatchSampler
     from gapless.diagnosis.environment import environment_record
 
@@ -675,6 +801,14 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     except ValueError as e:
         args = None
         findings += _f("cfg.model", "error", str(e), "the run cannot start", "model.path: an HF checkpoint folder")
+    gpus = world_size() if gpus is None else gpus
+    if gpus < 1:
+        raise ValueError(f"--nproc: {gpus}; give the number of processes (GPUs) the run will use, e.g. 8")
+    facts["gpus"] = gpus
+    auto = cfg.data.tokens_per_batch == "auto"
+    cfg, found = resolve_auto_tokens(cfg, env, args, gpus)
+    findings += found
+    facts["tokens_per_batch"] = cfg.data.tokens_per_batch
     try:
         mix, _, summary = build_run_data(cfg)
     except ValueError as e:
@@ -686,8 +820,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
         eff[strategy] = BatchSampler.from_config(replace(cfg.data, batching=strategy), mix).efficiency(0)
     facts["packing_efficiency"] = eff
     findings += check_batching(cfg, eff)
-    # ranks of a torchrun launch (the config has no world size until dist:, issue 15)
-    findings += check_tokens_per_step(cfg, eff[cfg.data.batching], gpus=int(os.environ.get("WORLD_SIZE", 1)))
+    findings += check_tokens_per_step(cfg, eff[cfg.data.batching], gpus)
     findings += check_accumulation(cfg)
     sampler = BatchSampler.from_config(cfg.data, mix)
     steps = cfg.train.steps or math.ceil(cfg.train.epochs * sampler.batches_per_epoch() / cfg.train.grad_accum)
@@ -698,14 +831,16 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
         real_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
         step_s, source = predicted_step_s(cfg, env, real_step,
-                                          flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args))
+                                          flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args),
+                                          gpus)
         facts["step_s"], facts["step_source"] = step_s, source
     findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps)
     # the run's folder holds (keep + 1) checkpoints while the newest is written, plus the final adapter
     findings += check_disk(out_dir, ckpt * (cfg.checkpoint.keep + 2), write_bps)
     findings += check_logging(cfg)
-    findings += check_memory(cfg, env, args)
-    findings += check_precision(cfg, env) + check_activation_checkpointing(cfg) + check_compile(cfg, env)
+    findings += check_memory(cfg, env, args, gpus)
+    findings += check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + \
+        check_compile(cfg, env)
     return {"findings": findings, "facts": facts}
 
 
@@ -726,21 +861,22 @@ def run_findings(run_dir: str | Path) -> list[Finding]:
     return out
 
 
-def diagnose_target(target: str | None, overrides: list[str] = (), env: dict | None = None) -> dict:
+def diagnose_target(target: str | None, overrides: list[str] = (), env: dict | None = None,
+                    gpus: int | None = None) -> dict:
     """`gapless doctor [CONFIG | RUN]`: a run folder is checked with its resolved config.yaml, plus its own evidence."""
     from gapless.config import load_config
 
     if target is None:
-        return diagnose(None, env)
+        return diagnose(None, env, gpus=gpus)
     run = Path(target)
     if run.is_dir():
         if not (run / "config.yaml").is_file():
             raise ValueError(f"{run}: a folder without config.yaml; give a config file or a run folder")
-        result = diagnose(load_config(run / "config.yaml", [f"output_dir={run}", *overrides]), env)
+        result = diagnose(load_config(run / "config.yaml", [f"output_dir={run}", *overrides]), env, gpus=gpus)
         if (run / "metrics.jsonl").is_file():
             result["findings"] += run_findings(run)
         return result
-    return diagnose(load_config(target, overrides), env)
+    return diagnose(load_config(target, overrides), env, gpus=gpus)
 
 
 def format_findings(findings: list[Finding], show_ok: bool = True) -> str:

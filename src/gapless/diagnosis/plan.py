@@ -11,7 +11,11 @@ The prediction, for n GPUs of one kind (every number below is printed with the p
       peak(GPU): the dense bf16 matmul rate a GPU reaches. The H200 measured 776 TFLOP/s (78.5% of its 989
       datasheet figure); other GPUs get their datasheet figure x that same 78.5%, or their measured peak
       (gapless.meter.flops.measure_peak_flops) when the GPU is present.
-  compute per optimizer step, per GPU  t_c = real tokens per GPU per step / T1
+  the global batch: data.tokens_per_batch is the micro-batch of ALL GPUs together: under torchrun its packed rows
+      are dealt out, tokens_per_batch / n slots per GPU (gapless.data.sharding.rank_tokens), so an optimizer step
+      trains tokens_per_batch x grad_accum slots at any n, and the steps do not change with n. (auto: each GPU's
+      micro-batch is what the batch finder is predicted to pick on it, x n.)
+  compute per optimizer step, per GPU  t_c = real tokens per step / n / T1
   traffic per optimizer step, per GPU, over the link's bandwidth B (nccl-tests' bus bandwidth):
       DDP     all-reduce of the trainable gradients once per step: 2(n-1)/n x trainable x grad bytes / B
       FSDP2   per micro-batch: all-gather the parameters for forward and again for backward, reduce-scatter the
@@ -20,15 +24,21 @@ The prediction, for n GPUs of one kind (every number below is printed with the p
       so the efficiency below is a lower bound; collective latency (~tens of us each) is left out.
   efficiency = t_c / (t_c + t_comm); time = start-up + steps x (t_c + t_comm); GPU-hours = n x time.
 
-Memory per GPU: the weights are exact (parameters x bytes, divided by n under FSDP2); activations, the loss and
-optimizer state need the memory model of issue 14 (methods:), which is not in yet: the plan says so.
+Memory per GPU: gapless.meter.memory's predicted peak at each GPU's micro-batch; DDP holds a full replica per GPU,
+FSDP2 divides the weights, trainable copies, gradients and optimizer state by n (activations are per micro-batch).
+Each GPU option is fits (<= 90% of its memory), tight (<= 100%) or does not fit, with the config lines that make
+it fit: a smaller tokens_per_batch (more accumulation), activation checkpointing, qlora, more GPUs with FSDP2.
+
+Where more GPUs stop paying, per rule, with its numbers: the training is shorter than the start-up at that count;
+the scaling efficiency is under EFFICIENCY_FLOOR (80%); the run fits one GPU with room (then one GPU per run, and
+several runs side by side, costs the fewest GPU-hours). `where_more_stop` checks 2, 4, 8 and the planned counts.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +107,7 @@ H200_RUNS = {
 }
 STARTUP_S = 86.0  # loading, compile, first step: 85.8 s in the 1B real run on the H200 (bench/RESULTS.md, pipeline)
 EFFICIENCY_FLOOR = 0.8  # below this, an extra GPU buys less than 80% of a GPU's worth of speed
+TIGHT = 0.9  # a predicted peak over 90% of the GPU's memory is tight: fragmentation and long batches can end the run
 
 
 def parse_gpus(spec: str) -> list[tuple[Gpu, int]]:
@@ -160,21 +171,62 @@ def single_gpu_tokens_per_s(gpu: Gpu, flops_token: float, weights: int, *, measu
 
 
 @dataclass
+class MemorySpec:
+    """The memory model's inputs for the run: gapless.meter.memory.estimate_memory(args, method, **kwargs)."""
+    args: ModelArgs
+    method: str
+    kwargs: dict  # gapless.meter.memory.estimate_kwargs(cfg): dtype, LoRA, checkpointing, compile, loss chunk
+
+    def estimate(self, tokens: int, shards: int = 1, **changes):
+        """The peak per GPU with `tokens` slots in its micro-batch, sharded over `shards` GPUs (FSDP2; 1: one GPU or
+        DDP); `changes`: other estimate arguments (method, activation_checkpointing) for a what-if."""
+        from gapless.meter.memory import estimate_memory
+
+        kwargs = {**self.kwargs, **changes}
+        method = kwargs.pop("method", self.method)
+        return estimate_memory(self.args, method, tokens=max(int(tokens), 1), shards=shards, **kwargs)
+
+    def max_tokens(self, budget_gib: float, shards: int = 1) -> int:
+        from gapless.meter.memory import max_tokens
+
+        return max_tokens(self.args, self.method, budget_gib, shards=shards, **self.kwargs)
+
+    def auto_tokens(self, gpu_gib: float, max_seq_len: int, shards: int = 1) -> int:
+        from gapless.meter.memory import auto_tokens
+
+        return auto_tokens(self.args, self.method, gpu_gib, max_seq_len, shards=shards, **self.kwargs)
+
+
+@dataclass
 class Workload:
     """What the run trains, in the numbers the plan needs."""
     tokens: float  # real tokens over the whole run (every epoch)
-    tokens_per_gpu_step: float  # real tokens per GPU per optimizer step (slots x accumulation x packing efficiency)
-    micro_batches: int  # per optimizer step (grad_accum)
+    # data.tokens_per_batch: the GLOBAL micro-batch in slots, its packed rows dealt out over the GPUs
+    # (gapless.data.sharding.rank_tokens), so an optimizer step trains the same tokens at any GPU count; or "auto"
+    tokens_per_batch: int | str
+    micro_batches: int  # per optimizer step (train.grad_accum)
+    efficiency: float  # real tokens / slots on the run's own data (packing)
+    max_seq_len: int
     flops_token: float
     weights: int  # matmul weights (MFU lookup)
     params: int  # every parameter of the model
     trainable: int
     param_bytes: int = 2  # bf16
     grad_bytes: int = 2  # gradients in the trainable parameters' dtype
+    method: str = "lora"
+    batching: str = "packed"
+    memory: MemorySpec | None = None  # None: memory not predicted (weights only)
 
     @property
     def weights_gib(self) -> float:
         return self.params * self.param_bytes / 2**30
+
+    def step_tokens(self, tokens_per_batch: int) -> float:
+        """Real tokens per optimizer step over all GPUs together: the global micro-batch's slots (whole rows when
+        packed) x accumulation x packing efficiency."""
+        slots = tokens_per_batch // self.max_seq_len * self.max_seq_len if self.batching == "packed" \
+            else tokens_per_batch
+        return slots * self.micro_batches * self.efficiency
 
 
 @dataclass
@@ -182,6 +234,8 @@ class Prediction:
     gpu: str
     n: int
     strategy: str
+    tokens_per_batch: int  # the global micro-batch in slots (auto: resolved for this GPU, x n)
+    rank_tokens: int  # slots of each GPU's micro-batch
     tokens_per_s_1: float  # one GPU
     source: str
     compute_s: float  # per optimizer step
@@ -193,8 +247,14 @@ class Prediction:
     total_s: float
     gpu_hours: float
     weights_gib_per_gpu: float
-    memory_gib: float
-    memory_note: str
+    memory_gib: float  # the GPU's
+    peak_gib: float | None = None  # predicted peak per GPU under `strategy`; None: not predicted
+    peak_ddp_gib: float | None = None  # n > 1: a full replica per GPU
+    peak_fsdp2_gib: float | None = None  # n > 1: weights, gradients and optimizer state / n; activations not
+    fit: str = "not predicted"  # fits (<= 90%) | tight (> 90%) | does not fit (> 100%) | not predicted
+    fixes: list[str] = field(default_factory=list)  # config lines that make it fit
+    problems: list[str] = field(default_factory=list)  # why the run cannot start as configured at this count
+    stops: list[str] = field(default_factory=list)  # the rules under which more GPUs stop paying that hold here
     verdict: str = ""
 
     @property
@@ -214,51 +274,209 @@ def comm_seconds(w: Workload, n: int, strategy: str, link_gbs: float) -> float:
     return w.micro_batches * per_micro
 
 
+def resolve_strategy(strategy: str, method: str, n: int) -> str:
+    """single | ddp | fsdp2, as gapless.train.parallel.init_distributed resolves parallel.strategy: auto shards a
+    method that trains every weight (full) and replicates LoRA and QLoRA."""
+    from gapless.train.parallel import FULL_METHODS
+
+    if n == 1:
+        return "single"
+    if strategy == "auto":
+        return "fsdp2" if method in FULL_METHODS else "ddp"
+    return {"fsdp": "fsdp2"}.get(strategy, strategy)
+
+
+def fit_of(peak_gib: float, memory_gib: float) -> str:
+    return "fits" if peak_gib <= TIGHT * memory_gib else "tight" if peak_gib <= memory_gib else "does not fit"
+
+
+def memory_fixes(spec: MemorySpec, seq: int, accum: int, gpu: str, memory_gib: float, n: int, strategy: str,
+                 tokens_per_batch: int) -> list[str]:
+    """Config lines under which the run fits `TIGHT` of each GPU's memory (`memory_gib`), cheapest first: a smaller
+    micro-batch (the same tokens per step through more accumulation), activation checkpointing, QLoRA, more GPUs
+    with FSDP2. tokens_per_batch: the global micro-batch over `n` GPUs of kind `gpu`; seq: data.max_seq_len."""
+    from gapless.diagnosis.doctor import RECOMPUTE_COST
+
+    budget = TIGHT * memory_gib
+    shards = n if strategy == "fsdp2" else 1
+    rank = max(seq, tokens_per_batch // n)
+    out = []
+    fit = spec.max_tokens(budget, shards) // seq * seq
+    if seq <= fit < rank:
+        out.append(f"data.tokens_per_batch: {fit * n:,}  train.grad_accum: "
+                   f"{math.ceil(tokens_per_batch * accum / (fit * n))} ({fit:,} slots per GPU, about the "
+                   "same tokens per step)")
+    if not spec.kwargs.get("activation_checkpointing") and \
+            spec.estimate(rank, shards, activation_checkpointing=1).total_gib <= budget:
+        out.append(f"model.activation_checkpointing: 1 (costs {RECOMPUTE_COST[spec.method]:.0%} of throughput: each "
+                   "layer's forward runs again in backward)")
+    if spec.method == "lora" and spec.estimate(rank, 1, method="qlora").total_gib <= budget:
+        out.append(f"method: qlora ({spec.estimate(rank, 1, method='qlora').total_gib:.1f} GiB: NF4 base weights)")
+    # more GPUs: each holds 1/m of the global micro-batch's rows (DDP, the cheaper traffic for adapters), and under
+    # FSDP2 1/m of the state too; QLoRA's weights are quantised as they load: FSDP2 cannot shard them
+    for m in (2, 4, 8, 16):
+        if m < n:
+            continue
+        rank_m = max(seq, tokens_per_batch // m // seq * seq)
+        options = [] if m == n else [(1, "DDP")]
+        if spec.method != "qlora" and not (m == n and strategy == "fsdp2"):
+            options.append((m, "FSDP2, parallel.strategy: fsdp"))
+        found = next(((peak, how) for shards, how in options
+                      if (peak := spec.estimate(rank_m, shards).total_gib) <= budget), None)
+        if found:
+            out.append(f"{gpu}x{m} ({found[1]}; {found[0]:.1f} GiB per GPU at {rank_m:,} slots each)")
+            break
+    return out or [f"none of a smaller micro-batch, activation checkpointing, qlora or up to 16 GPUs fits "
+                   f"{TIGHT:.0%} of {memory_gib:.0f} GiB: a GPU with more memory"]
+
+
 def predict(w: Workload, gpu: Gpu, n: int, *, strategy: str = "auto", startup_s: float = STARTUP_S,
             measured: tuple[float, Gpu] | None = None, peak_tflops: float | None = None) -> Prediction:
-    if n == 1:
-        strategy = "single"
-    elif strategy == "auto":  # shard only when the weights alone would take most of one GPU
-        strategy = "fsdp2" if w.weights_gib > 0.5 * gpu.memory_gib else "ddp"
+    from gapless.data.sharding import rank_tokens
+
+    strategy = resolve_strategy(strategy, w.method, n)
+    shards = n if strategy == "fsdp2" else 1
+    seq, problems = w.max_seq_len, []
+    if w.tokens_per_batch == "auto":
+        rank = w.memory.auto_tokens(gpu.memory_gib, seq, shards) if w.memory else 0
+        rank = rank or seq  # not even one row fits: the fit below says so; one row per GPU for the time figures
+        if n > 1:
+            problems.append(f"data.tokens_per_batch auto does not run under torchrun yet: data.tokens_per_batch: "
+                            f"{rank * n:,} (the global batch: {rank:,} slots per GPU, as auto would pick)")
+        tokens_per_batch = rank * n
+    else:
+        tokens_per_batch = w.tokens_per_batch
+        try:
+            rank = rank_tokens(w.batching, tokens_per_batch, seq, n)
+        except ValueError as e:
+            problems.append(str(e))
+            rank = max(seq, tokens_per_batch // n // seq * seq)
+    if strategy == "fsdp2" and w.method == "qlora":
+        problems.append("method qlora: FSDP2 cannot shard weights quantised while they load; parallel.strategy: ddp")
     t1, source = single_gpu_tokens_per_s(gpu, w.flops_token, w.weights, measured=measured, peak_tflops=peak_tflops)
-    compute = w.tokens_per_gpu_step / t1
+    step_real = w.step_tokens(tokens_per_batch)
+    compute = step_real / n / t1
     comm = comm_seconds(w, n, strategy, gpu.link_gbs)
-    steps = max(1, math.ceil(w.tokens / (w.tokens_per_gpu_step * n)))
+    steps = max(1, math.ceil(w.tokens / step_real))
     train_s = steps * (compute + comm)
     total = startup_s + train_s
-    weights = w.weights_gib / (n if strategy == "fsdp2" else 1)
-    return Prediction(gpu.name, n, strategy, t1, source, compute, comm, compute / (compute + comm), steps, train_s,
-                      startup_s, total, n * total / 3600, weights, gpu.memory_gib,
-                      "activations, loss and optimizer state not predicted: needs methods: (the memory model)")
+    p = Prediction(gpu.name, n, strategy, tokens_per_batch, rank, t1, source, compute, comm,
+                   compute / (compute + comm), steps, train_s, startup_s, total, n * total / 3600,
+                   w.weights_gib / shards, gpu.memory_gib, problems=problems)
+    if w.memory is not None:
+        p.peak_gib = w.memory.estimate(rank, shards).total_gib
+        if n > 1:
+            p.peak_ddp_gib, p.peak_fsdp2_gib = (w.memory.estimate(rank, s).total_gib for s in (1, n))
+        p.fit = fit_of(p.peak_gib, gpu.memory_gib)
+        if p.fit != "fits":
+            p.fixes = memory_fixes(w.memory, seq, w.micro_batches, gpu.name, gpu.memory_gib, n, strategy,
+                                   tokens_per_batch)
+    return p
 
 
-def verdicts(preds: list[Prediction], floor: float = EFFICIENCY_FLOOR) -> list[Prediction]:
-    """Fill each prediction's plain statement; for each GPU kind, compare with the fewest GPUs of it planned."""
+def stop_rules(p: Prediction, single: Prediction, floor: float = EFFICIENCY_FLOOR) -> list[str]:
+    """The rules under which `p`'s extra GPUs stop paying, each with its numbers (`single`: one GPU of the kind)."""
+    if p.n == 1:
+        return []
+    out = []
+    if p.train_s < p.startup_s:
+        out.append(f"start-up: training takes {_duration(p.train_s)}, less than the {_duration(p.startup_s)} "
+                   "start-up; more GPUs shorten only the part that is already short")
+    if p.efficiency < floor:
+        out.append(f"efficiency {p.efficiency:.0%} is under {floor:.0%}: the link ({GPUS[p.gpu].link}) carries "
+                   f"{p.comm_s * 1e3:,.0f} ms per step against {p.compute_s * 1e3:,.0f} ms of compute")
+    if single.fit == "fits":
+        out.append(f"one GPU: the run fits one {p.gpu} with room ({single.peak_gib:.1f} of {single.memory_gib:.0f} "
+                   f"GiB): {p.n} GPUs make one run {single.total_s / p.total_s:.1f}x faster for "
+                   f"{p.gpu_hours / single.gpu_hours:.2f}x the GPU-hours; for several runs, one GPU each")
+    return out
+
+
+def verdicts(preds: list[Prediction], w: Workload, floor: float = EFFICIENCY_FLOOR,
+             singles: dict[str, Prediction] | None = None) -> list[Prediction]:
+    """Fill each prediction's stop rules and plain statement; `singles`: the one-GPU prediction of each kind (made
+    with the stated figures when missing), against which the rules and the savings are stated."""
+    singles = {**{p.gpu: p for p in preds if p.n == 1}, **(singles or {})}
     for p in preds:
-        notes = []
-        if p.weights_gib_per_gpu > 0.9 * p.memory_gib:
-            notes.append(f"does not fit: the weights alone take {p.weights_gib_per_gpu:.1f} of "
-                         f"{p.memory_gib:.0f} GiB per GPU")
+        if p.gpu not in singles:
+            singles[p.gpu] = predict(w, GPUS[p.gpu], 1, startup_s=p.startup_s)
+    for p in preds:
+        notes = [f"cannot run as configured: {x}" for x in p.problems]
+        if p.fit != "not predicted":
+            notes.append(f"{p.fit}: {p.peak_gib:.1f} of {p.memory_gib:.0f} GiB per GPU predicted")
+        elif p.weights_gib_per_gpu > TIGHT * p.memory_gib:
+            notes.append(f"does not fit: the weights alone take {p.weights_gib_per_gpu:.1f} of {p.memory_gib:.0f} "
+                         "GiB per GPU")
+        p.stops = stop_rules(p, singles[p.gpu], floor)
+        notes += [f"stop: {s}" for s in p.stops]
         base = min((q for q in preds if q.gpu == p.gpu), key=lambda q: q.n)
-        if p.n > 1:
-            if p.efficiency < floor:
-                notes.append(f"stop: efficiency {p.efficiency:.0%} is under {floor:.0%}; the link "
-                             f"({GPUS[p.gpu].link}) carries {p.comm_s * 1e3:.0f} ms per step against "
-                             f"{p.compute_s * 1e3:.0f} ms of compute")
-            if p.train_s < p.startup_s:
-                notes.append(f"stop: training takes {_duration(p.train_s)}, less than the start-up "
-                             f"({_duration(p.startup_s)}); more GPUs shorten only the part that is already short")
-            if base is not p and base.n < p.n:
-                saved = base.total_s - p.total_s
-                notes.append(f"{p.n / base.n:g}x the GPUs of {base.gpu}x{base.n} saves {_duration(max(saved, 0))} "
-                             f"for {p.gpu_hours - base.gpu_hours:+.2f} GPU-hours")
-            if p.strategy == "ddp" and p.weights_gib_per_gpu < 0.5 * p.memory_gib:
-                notes.append(f"the model fits one GPU with room (weights {p.weights_gib_per_gpu:.1f} of "
-                             f"{p.memory_gib:.0f} GiB): more GPUs buy time only")
+        if p.n > 1 and base is not p and base.n < p.n:
+            notes.append(f"{p.n / base.n:g}x the GPUs of {base.gpu}x{base.n} saves "
+                         f"{_duration(max(base.total_s - p.total_s, 0))} for {p.gpu_hours - base.gpu_hours:+.2f} "
+                         "GPU-hours")
         if GPUS[p.gpu].unified:
             notes.append("its memory is shared with the CPU: the OS and the data loader use part of it")
-        p.verdict = "; ".join(notes) or ("pays: near-linear scaling" if p.n > 1 else "fits (weights); the baseline")
+        if p.n > 1 and not p.stops and not p.problems:
+            notes.append("pays: near-linear scaling")
+        p.verdict = "; ".join(notes)
     return preds
+
+
+SCAN = (2, 4, 8)  # GPU counts of one node, where the table's link figure holds
+
+
+def where_more_stop(w: Workload, gpu: Gpu, counts: list[int] = (), floor: float = EFFICIENCY_FLOOR,
+                    **predict_kwargs) -> list[str]:
+    """For one GPU kind, at 2, 4, 8 and the planned counts: from which count each rule says more GPUs stop
+    paying (start-up, efficiency under `floor`, the run fits one GPU with room), with numbers, and the sum of it."""
+    ns = sorted(set(SCAN) | {n for n in counts if n > 1})
+    single = predict(w, gpu, 1, **predict_kwargs)
+    at = {1: single, **{n: predict(w, gpu, n, **predict_kwargs) for n in ns}}
+    last = at[ns[-1]]
+    lines = [f"where more {gpu.name}s stop paying (checked at {', '.join(f'x{n}' for n in ns)}):"]
+    # the fewest GPUs the run fits on: the rules speak of counts from there up
+    need = next((n for n in at if at[n].fit != "does not fit"), None)
+    beyond = [n for n in ns if need is not None and n > need]
+    startup = next((n for n in beyond if at[n].train_s < at[n].startup_s), None)
+    if need is not None and at[need].train_s < at[need].startup_s:
+        lines.append(f"  start-up:   x{need} already trains in {_duration(at[need].train_s)}, less than the "
+                     f"{_duration(at[need].startup_s)} start-up: no extra GPU pays")
+        startup = beyond[0] if beyond else None
+    elif startup:
+        lines.append(f"  start-up:   from x{startup} training takes {_duration(at[startup].train_s)}, less than the "
+                     f"{_duration(at[startup].startup_s)} start-up")
+    else:
+        lines.append(f"  start-up:   training outlasts the {_duration(last.startup_s)} start-up up to x{last.n} "
+                     f"({_duration(last.train_s)})")
+    low = next((n for n in ns if at[n].efficiency < floor), None)
+    if low:
+        p = at[low]
+        lines.append(f"  efficiency: under {floor:.0%} from x{low} ({p.efficiency:.0%}: {p.comm_s * 1e3:,.0f} ms of "
+                     f"{p.strategy} traffic over {gpu.link} against {p.compute_s * 1e3:,.0f} ms of compute per step)")
+    else:
+        lines.append(f"  efficiency: {last.efficiency:.0%} at x{last.n} ({last.strategy}), not under {floor:.0%}")
+    if single.fit == "fits":
+        lines.append(f"  one GPU:    the run fits one {gpu.name} with room ({single.peak_gib:.1f} of "
+                     f"{single.memory_gib:.0f} GiB): x{last.n} makes one run {single.total_s / last.total_s:.1f}x "
+                     f"faster for {last.gpu_hours / single.gpu_hours:.2f}x the GPU-hours; several runs: one GPU each")
+    elif single.fit != "not predicted":
+        lines.append(f"  one GPU:    {single.fit} on one {gpu.name} ({single.peak_gib:.1f} of "
+                     f"{single.memory_gib:.0f} GiB)" + (f": x{need} is the fewest that fits" if need else ""))
+    several = " (one GPU per run when there are several runs)" if single.fit == "fits" else ""
+    stop = min([n for n in (startup, low) if n and n in beyond], default=None)
+    if need is None:
+        lines.append(f"  => the run does not fit {gpu.name}s up to x{last.n}: see the fixes above")
+    elif need > 1 and at[need].efficiency < floor:
+        lines.append(f"  => x{need} is the fewest {gpu.name}s that fit and scales at {at[need].efficiency:.0%} there: "
+                     "a GPU with more memory, or the fixes above, pays better than more of these")
+    elif stop:
+        below = [n for n in at if need <= n < stop]
+        lines.append(f"  => more {gpu.name}s stop paying at x{stop}; use "
+                     + (f"x{below[0]}" if len(below) == 1 else f"x{below[0]} to x{below[-1]}") + several)
+    else:
+        lines.append(f"  => more {gpu.name}s pay up to x{last.n} for one run's time"
+                     + ("; with several runs, one GPU each costs fewer GPU-hours" if single.fit == "fits" else ""))
+    return lines
 
 
 def _duration(seconds: float) -> str:
@@ -269,23 +487,45 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def format_plan(preds: list[Prediction], w: Workload) -> str:
-    lines = [f"run: {w.tokens:,.0f} real tokens, {w.tokens_per_gpu_step:,.0f} real tokens per GPU per step, "
-             f"{w.flops_token / 1e9:.2f} GFLOP per token; {w.params / 1e9:.2f} B parameters "
-             f"({w.weights_gib:.1f} GiB in bf16), {w.trainable / 1e6:.1f} M trainable",
-             f"{'GPUs':<12} {'strategy':<8} {'tok/s':>10} {'effic.':>7} {'steps':>8} {'time':>8} "
-             f"{'GPU-h':>7} {'weights GiB/GPU':>16}"]
+def global_batch_line(w: Workload) -> str:
+    k = w.micro_batches
+    if w.tokens_per_batch == "auto":
+        return (f"global batch: data.tokens_per_batch auto = per GPU what the batch finder picks by the memory model "
+                f"(column slots/GPU) x {k} accumulation x GPUs")
+    tpb = w.tokens_per_batch
+    return (f"global batch: data.tokens_per_batch {tpb:,} slots is the micro-batch of all GPUs together (its rows "
+            f"dealt out: {tpb:,} / N slots per GPU) x {k} accumulation = {tpb * k:,} slots, "
+            f"~{w.step_tokens(tpb):,.0f} real tokens per optimizer step at every GPU count")
+
+
+def format_plan(preds: list[Prediction], w: Workload, stops: list[str] = ()) -> str:
+    lines = [f"run: {w.tokens:,.0f} real tokens, {w.flops_token / 1e9:.2f} GFLOP per token; {w.params / 1e9:.2f} B "
+             f"parameters ({w.weights_gib:.1f} GiB), {w.trainable / 1e6:.1f} M trainable ({w.method})",
+             global_batch_line(w),
+             f"{'GPUs':<11} {'strategy':<8} {'slots/GPU':>9} {'tok/s':>10} {'effic.':>7} {'steps':>7} {'time':>7} "
+             f"{'GPU-h':>7} {'GiB/GPU':>13}  fit"]
     for p in preds:
-        lines.append(f"{p.gpu + 'x' + str(p.n):<12} {p.strategy:<8} {p.tokens_per_s:>10,.0f} {p.efficiency:>7.1%} "
-                     f"{p.steps:>8,} {_duration(p.total_s):>8} {p.gpu_hours:>7.2f} "
-                     f"{p.weights_gib_per_gpu:>7.1f} of {p.memory_gib:<5.0f}")
+        mem = f"{p.peak_gib:.1f}" if p.peak_gib is not None else f"w {p.weights_gib_per_gpu:.1f}"
+        lines.append(f"{p.gpu + 'x' + str(p.n):<11} {p.strategy:<8} {p.rank_tokens:>9,} {p.tokens_per_s:>10,.0f} "
+                     f"{p.efficiency:>7.1%} {p.steps:>7,} {_duration(p.total_s):>7} {p.gpu_hours:>7.2f} "
+                     f"{mem:>5} of {p.memory_gib:<5.0f}  {p.fit}")
     lines.append("")
     for p in preds:
         lines.append(f"{p.gpu}x{p.n}: {p.verdict}")
+        if p.peak_ddp_gib is not None:
+            lines.append(f"  memory per GPU: DDP {p.peak_ddp_gib:.1f} GiB (a full replica), FSDP2 "
+                         f"{p.peak_fsdp2_gib:.1f} GiB (weights, gradients, optimizer state / {p.n})")
+        lines += [f"  fix: {f}" for f in p.fixes]
         lines.append(f"  one GPU: {p.tokens_per_s_1:,.0f} tok/s = {p.source}")
-    lines.append(f"memory: weights only; {preds[0].memory_note}")
+    if stops:
+        lines += ["", *stops]
+    lines.append("")
+    lines.append("memory: gapless.meter.memory (compiled LoRA fitted within 1.2% of four H200 peaks; QLoRA, full and "
+                 "checkpointing terms derived); fits <= 90% of the GPU, tight <= 100%" if preds[0].fit !=
+                 "not predicted" else "memory: weights only (no model config given)")
     lines.append(f"time includes {_duration(preds[0].startup_s)} of start-up; traffic is counted as not overlapped "
-                 "with compute, so efficiency is a lower bound")
+                 "with compute, so efficiency is a lower bound; a smaller micro-batch per GPU at more GPUs can lower "
+                 "MFU (not modelled)")
     return "\n".join(lines)
 
 
@@ -330,32 +570,45 @@ def workload_from_config(cfg, *, out=None) -> tuple[Workload, dict]:
     """Read the config's data (tokenized through the cache) and model config.json into a Workload."""
     from gapless.data.batching import BatchSampler
     from gapless.diagnosis.doctor import build_run_data
+    from gapless.meter.memory import estimate_kwargs
     from gapless.model.loading import read_model_args
     from gapless.model.method import method_of
 
     args = read_model_args(cfg.model.path)
-    mix, _, summary = build_run_data(cfg)
-    sampler = BatchSampler.from_config(cfg.data, mix)
-    lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
+    d = cfg.data
+    # the packing efficiency hardly depends on the batch's size; auto: measured at 16 rows
+    sampling = d if d.tokens_per_batch != "auto" else replace(d, tokens_per_batch=16 * d.max_seq_len)
+    mix, _, summary = build_run_data(replace(cfg, data=sampling))
+    sampler = BatchSampler.from_config(sampling, mix)
+    lengths = mix.lengths[mix.epoch_docs(d.seed, 0)]
     efficiency = sampler.efficiency(0)
-    per_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * efficiency
-    tokens = (cfg.train.steps * per_step) if cfg.train.steps else cfg.train.epochs * float(lengths.sum())
     flops = method_of(cfg).flops
-    w = Workload(tokens=tokens, tokens_per_gpu_step=per_step, micro_batches=cfg.train.grad_accum,
+    w = Workload(tokens=0.0, tokens_per_batch=d.tokens_per_batch, micro_batches=cfg.train.grad_accum,
+                 efficiency=efficiency, max_seq_len=d.max_seq_len, batching=d.batching,
                  flops_token=flops_per_token(args, lengths, flops), weights=matmul_weights(args),
                  params=model_params(args), trainable=trainable_params(args, flops),
                  param_bytes=4 if cfg.model.dtype == "float32" else 2,
                  # LoRA adapters are float32 whatever the base's dtype (gapless.model.method.Lora), and so their
                  # gradients
-                 grad_bytes=4 if flops["method"] == "lora" or cfg.model.dtype == "float32" else 2)
+                 grad_bytes=4 if flops["method"] == "lora" or cfg.model.dtype == "float32" else 2,
+                 method=cfg.method, memory=MemorySpec(args, cfg.method, estimate_kwargs(cfg)))
+    if cfg.train.steps and d.tokens_per_batch == "auto":
+        raise ValueError("train.steps with data.tokens_per_batch auto: the run's tokens depend on the GPU; give "
+                         "train.epochs or a number of tokens per batch to plan")
+    w.tokens = cfg.train.steps * w.step_tokens(d.tokens_per_batch) if cfg.train.steps else \
+        cfg.train.epochs * float(lengths.sum())
     return w, {"documents": int(len(lengths)), "packing_efficiency": efficiency, "summary": summary.format()}
 
 
-def plan(cfg, gpus: str, *, strategy: str = "auto", run: str | None = None, measured: str | None = None,
-         startup_s: float | None = None, floor: float = EFFICIENCY_FLOOR) -> tuple[list[Prediction], Workload]:
+def plan(cfg, gpus: str, *, strategy: str | None = None, run: str | None = None, measured: str | None = None,
+         startup_s: float | None = None, floor: float = EFFICIENCY_FLOOR) -> tuple[list[Prediction], Workload,
+                                                                                    list[str]]:
+    """Predictions for each GPU choice in `gpus`, with verdicts, and for each GPU kind where more GPUs stop paying.
+    strategy: None = the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA/QLoRA)."""
     import torch
 
     w, _ = workload_from_config(cfg)
+    strategy = strategy or cfg.parallel.strategy
     measured_pair = None
     if run is not None:
         toks, name = measured_from_run(run)
@@ -376,11 +629,21 @@ def plan(cfg, gpus: str, *, strategy: str = "auto", run: str | None = None, meas
             pass
     if startup_s is None:
         startup_s = STARTUP_S
-    preds = [predict(w, g, n, strategy=strategy, startup_s=startup_s, measured=measured_pair,
-                     peak_tflops=present[1] if present and present[0] == g.name else None)
-             for g, n in parse_gpus(gpus)]
-    return verdicts(preds, floor), w
+    choices = parse_gpus(gpus)
+
+    def kwargs(g: Gpu) -> dict:
+        return dict(strategy=strategy, startup_s=startup_s, measured=measured_pair,
+                    peak_tflops=present[1] if present and present[0] == g.name else None)
+
+    preds = [predict(w, g, n, **kwargs(g)) for g, n in choices]
+    kinds = list(dict.fromkeys(g.name for g, _ in choices))
+    singles = {k: predict(w, GPUS[k], 1, **kwargs(GPUS[k])) for k in kinds}
+    stops = [line for k in kinds
+             for line in where_more_stop(w, GPUS[k], [n for g, n in choices if g.name == k], floor, **kwargs(GPUS[k]))]
+    return verdicts(preds, w, floor, singles), w, stops
 
 
-def plan_json(preds: list[Prediction], w: Workload) -> dict:
-    return {"workload": asdict(w), "predictions": [{**asdict(p), "tokens_per_s": p.tokens_per_s} for p in preds]}
+def plan_json(preds: list[Prediction], w: Workload, stops: list[str] = ()) -> dict:
+    workload = {k: v for k, v in asdict(w).items() if k != "memory"}
+    return {"workload": workload, "predictions": [{**asdict(p), "tokens_per_s": p.tokens_per_s} for p in preds],
+            "where_more_gpus_stop_paying": list(stops)}

@@ -5,40 +5,37 @@ under each precision, logging every step:
   fp32   model.dtype float32, TF32 off (torch.backends.cuda.matmul.allow_tf32 = False, cuDNN too): the reference
   tf32   model.dtype float32, TF32 on (NVIDIA GPUs of compute capability 8.0+; the CPU has no TF32: same as fp32)
   bf16   model.dtype bfloat16
-  fp16   needs a loss scaler, which gapless does not have until methods: (issue 14) lands: reported as not
-         available rather than run without one
+  fp16   model.dtype float16, trained with the dynamic loss scaler (gapless.train.loss_scale.DynamicLossScaler:
+         the loop makes one for every float16 run; start 2^16, halved and the step skipped on an inf/nan gradient,
+         doubled after 2,000 good steps); its row adds the final loss scale and the skipped steps (metrics.jsonl),
+         since a skipped step is a step the other variants took
 Per variant: the loss curve, its largest and final difference from the reference (absolute and relative), and the
 steady real tokens/s (gapless.train.loop.RunResult). One HTML page with the curves and the differences.
 """
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
-import typing
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import yaml
 
-from gapless.config import RunConfig, load_config
+from gapless.config import load_config
 
 VARIANTS = ("fp32", "tf32", "bf16", "fp16")
-FP16_MISSING = "not available yet: gapless has no fp16 loss scaler until methods: (issue 14) lands"
 
 
-def fp16_supported() -> bool:
-    """True once a config can ask for fp16 with loss scaling (a field naming a loss scale or scaler, anywhere in
-    RunConfig). model.dtype float16 alone exists today, but without a scaler small gradients underflow, which is not
-    the comparison a user needs; when methods: adds the scaler, this turns the fp16 row on."""
-    def names(cls):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            yield f.name
-            if dataclasses.is_dataclass(hints[f.name]):
-                yield from names(hints[f.name])
-    return any("loss_scal" in n or "scaler" in n for n in names(RunConfig))
+def loss_scale_record(run_dir: Path) -> dict:
+    """The last loss scale and count of skipped steps an fp16 run logged (metrics.jsonl), {} when none was."""
+    last = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss_scale" in record:
+            last = {"loss_scale": record["loss_scale"], "skipped_steps": record.get("skipped_steps", 0)}
+    return last
 
 
 @contextmanager
@@ -75,14 +72,10 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
     rows = []
     gpu = torch.cuda.is_available()
     for name in variants:
-        if name == "fp16" and not fp16_supported():
-            rows.append({"variant": name, "status": FP16_MISSING})
-            log(f"{name}: {FP16_MISSING}")
-            continue
         cfg = load_config(config, [*overrides, *variant_overrides(name, steps, out)], data=data)
         note = "" if gpu or name != "tf32" else "the CPU has no TF32: the same computation as fp32"
-        if name == "bf16" and (not gpu or cfg.model.device == "cpu"):
-            note = "bf16 on the CPU: correct but slow (no bf16 matmul units on most CPUs)"
+        if name in ("bf16", "fp16") and (not gpu or cfg.model.device == "cpu"):
+            note = f"{name} on the CPU: correct but slow (no {name} matmul units on most CPUs)"
         with tf32(name == "tf32"), open(out / f"{name}.log", "w") as stream:
             result = train(cfg, out=stream)
         # what ran, as the run folder's config.yaml records it: `auto` picks sdpa for float32 and varlen for
@@ -91,25 +84,41 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
         rows.append({"variant": name, "status": "ran", "note": note, "dtype": cfg.model.dtype,
                      "attn_backend": resolved["attn_backend"], "compile": resolved["compile"],
                      "losses": {int(k): v for k, v in result.losses.items()},
-                     "tokens_per_s": result.steady_tokens_per_s})
-        log(f"{name}: final loss {result.losses[max(result.losses)]:.4f}, {result.steady_tokens_per_s:,.0f} "
+                     "tokens_per_s": result.steady_tokens_per_s, **loss_scale_record(out / name)})
+        if name == "fp16":
+            rows[-1]["note"] = (f"loss scale {rows[-1].get('loss_scale', 0):g}, {rows[-1].get('skipped_steps', 0)} "
+                                "skipped steps; " + note).rstrip("; ")
+        log(f"{name}: final loss {final_loss(result.losses):.4f}, {result.steady_tokens_per_s:,.0f} "
             "real tokens/s")
     ref = next((r for r in rows if r["variant"] == "fp32" and r["status"] == "ran"), None)
     for r in rows:
         if r["status"] != "ran" or ref is None:
             continue
-        steps_common = sorted(set(r["losses"]) & set(ref["losses"]))
-        diffs = [r["losses"][s] - ref["losses"][s] for s in steps_common]
-        rel = [abs(d) / abs(ref["losses"][s]) for d, s in zip(diffs, steps_common)]
-        r["max_abs_diff"] = max(map(abs, diffs)) if diffs else 0.0
-        r["max_rel_diff"] = max(rel) if rel else 0.0
-        r["final_diff"] = diffs[-1] if diffs else 0.0
+        r.update(differences(r["losses"], ref["losses"]))
         r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else None
     result = {"config": str(config) if config else None, "steps": steps, "device": "cuda" if gpu else "cpu",
               "variants": rows}
     (out / "precision.json").write_text(json.dumps(result, indent=2))
     write_page(result, out / "precision.html")
     return result
+
+
+def differences(losses: dict[int, float], ref: dict[int, float]) -> dict:
+    """A variant's loss curve against the reference's at the steps both logged a loss: the largest absolute and
+    relative difference and the last one. A logged loss is NaN when every step of its window was skipped (fp16's
+    loss scaler on an overflow, or the non-finite guard: no update applied, so no loss to compare): such steps
+    are left out and counted, never compared (a NaN would hide in max())."""
+    common = sorted(set(losses) & set(ref))
+    kept = [s for s in common if math.isfinite(losses[s]) and math.isfinite(ref[s])]
+    diffs = [losses[s] - ref[s] for s in kept]
+    return {"max_abs_diff": max(map(abs, diffs), default=0.0),
+            "max_rel_diff": max((abs(d) / abs(ref[s]) for d, s in zip(diffs, kept)), default=0.0),
+            "final_diff": diffs[-1] if diffs else 0.0, "steps_without_loss": len(common) - len(kept)}
+
+
+def final_loss(losses: dict[int, float]) -> float:
+    """The last finite logged loss (NaN when none is)."""
+    return next((losses[s] for s in sorted(losses, reverse=True) if math.isfinite(losses[s])), math.nan)
 
 
 def format_comparison(result: dict) -> str:
@@ -119,11 +128,14 @@ def format_comparison(result: dict) -> str:
         if r["status"] != "ran":
             lines.append(f"{r['variant']:<8} {r['status']}")
             continue
-        final = r["losses"][max(r["losses"])]
+        final = final_loss(r["losses"])
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        skipped = r.get("steps_without_loss", 0)
+        note = ((f"{skipped} logged step(s) without a loss (every step skipped), left out; " if skipped else "")
+                + r.get("note", "")).rstrip("; ")
         lines.append(f"{r['variant']:<8} {r['tokens_per_s']:>10,.0f} {speed:>7} {final:>10.4f} "
                      f"{r.get('max_abs_diff', 0):>10.2e} {r.get('max_rel_diff', 0):>8.2%}  "
-                     f"{r['attn_backend'] + (' comp.' if r['compile'] else ''):<9}  {r.get('note', '')}")
+                     f"{r['attn_backend'] + (' comp.' if r['compile'] else ''):<9}  {note}")
     lines.append(f"differences are against fp32 with TF32 off at the same step, over {result['steps']} steps with "
                  "the same seeds and batches")
     return "\n".join(lines)

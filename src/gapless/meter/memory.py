@@ -100,10 +100,15 @@ class MemoryEstimate:
 
 def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "bfloat16", lora_r: int = 16,
                     lora_targets: Sequence[str] = ALL_LINEAR, activation_checkpointing: int = 0,
-                    loss_chunk: int = 2048, compiled: bool = True) -> MemoryEstimate:
-    """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring).
+                    loss_chunk: int = 2048, compiled: bool = True, shards: int = 1) -> MemoryEstimate:
+    """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring), on one GPU.
 
     activation_checkpointing: 0 = off, k = every k-th layer checkpointed (model.activation_checkpointing).
+    shards: the GPUs FSDP2 shards over (1: one GPU, or DDP, where every GPU holds a full replica). FSDP2
+    (gapless.train.parallel.Sharded) divides the weights, the trainable copies, the gradients and the optimizer
+    state by `shards`, and all-gathers whole layers only while they compute: one layer's parameters in the compute
+    dtype for the layer running and one for the layer prefetched (FSDP2's default prefetch of one). Activations and
+    the loss are per micro-batch: `tokens` is this GPU's micro-batch (the global batch / GPUs), not sharded.
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {list(METHODS)}")
@@ -112,9 +117,9 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     unknown = sorted(set(lora_targets) - set(ALL_LINEAR))
     if unknown:
         raise ValueError(f"lora targets: {unknown} not among {list(ALL_LINEAR)}")
-    if tokens < 1 or loss_chunk < 1 or activation_checkpointing < 0:
+    if tokens < 1 or loss_chunk < 1 or activation_checkpointing < 0 or shards < 1:
         raise ValueError(f"tokens ({tokens}) and loss_chunk ({loss_chunk}) must be >= 1, activation_checkpointing "
-                         f"({activation_checkpointing}) >= 0")
+                         f"({activation_checkpointing}) >= 0, shards ({shards}) >= 1")
     e = DTYPE_BYTES[dtype]
     L, D, V = args.num_hidden_layers, args.hidden_size, args.vocab_size
     shapes = projection_shapes(args)
@@ -154,6 +159,13 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
                  f"chunk {chunk:,} x vocab {V:,} x 6 B + final hidden states"))
     if method == "qlora":
         rows.append(("dequantised weights", targeted / L * e, "one layer's projections, transient"))
+    if shards > 1:
+        sharded = ("weights", "trainable fp32 copies", "gradients", "optimizer state")
+        rows = [(n, b / shards, f"{how}; / {shards} GPUs (FSDP2)") if n in sharded else (n, b, how)
+                for n, b, how in rows]
+        layer_params = sum(i * o for i, o in shapes.values()) + 2 * D
+        rows.append(("un-sharded layers", 2 * layer_params * e, "FSDP2: 2 layers all-gathered in "
+                     f"{dtype} (the one computing, the one prefetched)"))
     subtotal = sum(b for _, b, _ in rows)
     rows.append(("allocator reserve", ALLOCATOR_RESERVE * subtotal, "5% (stated)"))
 
@@ -169,6 +181,25 @@ def max_tokens(args: ModelArgs, method: str, budget_gib: float, **kwargs) -> int
     one = estimate_memory(args, method, tokens=max(kwargs.get("loss_chunk", 2048), 1), **kwargs)
     room = budget_gib * GIB - one.fixed_bytes
     return max(0, int(room // one.per_token_bytes))
+
+
+def estimate_kwargs(cfg, compiled: bool | None = None) -> dict:
+    """estimate_memory's keyword arguments for a RunConfig. compiled: None = as on a GPU, where model.compile auto
+    compiles (pass False for a CPU run)."""
+    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
+
+    return {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
+            "activation_checkpointing": cfg.model.activation_checkpointing,
+            "compiled": cfg.model.compile is not False if compiled is None else compiled,
+            "loss_chunk": DEFAULT_CHUNK_SIZE}
+
+
+def auto_tokens(args: ModelArgs, method: str, gpu_gib: float, max_seq_len: int, **kwargs) -> int:
+    """What `data.tokens_per_batch: auto` is predicted to choose per GPU on a `gpu_gib` GPU by the memory model alone
+    (gapless.train.batch_finder: the budget at 90% of the memory, backed off 10%, in whole rows of max_seq_len);
+    0 when not even one row fits. The run measures its own choice."""
+    best = max_tokens(args, method, 0.9 * gpu_gib, **kwargs)
+    return int(best * 0.9) // max_seq_len * max_seq_len if best >= max_seq_len else 0
 
 
 def format_table(est: MemoryEstimate, title: str = "predicted peak memory") -> str:
@@ -196,15 +227,12 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
     from dataclasses import replace
 
     from gapless.data.pipeline import build_data
-    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
     from gapless.meter.flops import step_flops
     from gapless.model.loading import read_model_args
     from gapless.model.method import method_of
 
     args = read_model_args(cfg.model.path)
-    estimate = {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
-                "activation_checkpointing": cfg.model.activation_checkpointing,
-                "compiled": cfg.model.compile is not False, "loss_chunk": DEFAULT_CHUNK_SIZE}
+    estimate = estimate_kwargs(cfg)
     seq = cfg.data.max_seq_len
     lines = []
     tokens = cfg.data.tokens_per_batch
@@ -213,7 +241,7 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
             raise ValueError("--gpu-gib: data.tokens_per_batch is auto; give the GPU's memory in GiB (e.g. 80) to "
                              "predict what the batch finder picks")
         best = max_tokens(args, cfg.method, 0.9 * gpu_gib, **estimate)
-        tokens = max(seq, int(best * 0.9) // seq * seq)
+        tokens = max(seq, auto_tokens(args, cfg.method, gpu_gib, seq, **estimate))
         lines.append(f"data.tokens_per_batch auto: ~{tokens:,} on a {gpu_gib:g} GiB GPU by the memory model "
                      f"({best:,} at 90% of it, less 10%); the run measures its own choice")
     est = estimate_memory(args, cfg.method, tokens=tokens, **estimate)
