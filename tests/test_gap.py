@@ -20,9 +20,9 @@ import yaml
 from gapless import demo_task
 from gapless.cli import main
 from gapless.demo import write_base_model
-from gapless.diagnosis.gap import (NOISE, Window, amortised_tokens_per_s, format_table, interval_for, run_gap,
-                               waterfall)
-from gapless.meter.report import plot_gap, read_gap, read_run
+from gapless.diagnosis.gap import (NOISE, Window, amortised_tokens_per_s, ceiling_tokens_per_s, format_table,
+                                   interval_for, run_gap, waterfall)
+from gapless.meter.report import plot_gap, read_gap, read_run, signed
 from test_report import assert_png, images
 
 STEPS = 6  # measured steps per window (plus the warm-up step): ~0.5 s a window here
@@ -148,6 +148,35 @@ def test_every_factor_measured_and_bars_sum(measured):
     assert real["fix"] == ("data.batching: packed" if real["delta"] < -max(NOISE, noise) * base else "")
 
 
+def test_ceiling_with_numbers():
+    # 2e9 FLOPs per real token (1 TFLOP/s at 500 tokens/s) against a 4 TFLOP/s peak: 2,000 tokens/s = 500 / MFU 0.25
+    one = {"real_tokens": 1000, "tokens_per_s": 500.0, "tflops": 1.0, "peak_tflops": 4.0, "mfu": 0.25}
+    assert ceiling_tokens_per_s([one]) == pytest.approx(2000.0)
+    # a window of longer documents costs 4e9 FLOPs per token: weighted by real tokens, 3,000 tokens in 1.5 + 1 s
+    longer = {"real_tokens": 2000, "tokens_per_s": 250.0, "tflops": 1.0, "peak_tflops": 4.0, "mfu": 0.25}
+    assert ceiling_tokens_per_s([one, longer]) == pytest.approx(3000 / (1000 * 2e9 / 4e12 + 2000 * 4e9 / 4e12))
+    assert ceiling_tokens_per_s([{"real_tokens": 10, "tokens_per_s": 5.0}]) == 0.0  # no MFU fields: no ceiling
+
+
+def test_signed_changes():
+    assert [signed(v) for v in (-0.04, 0.04, -0.4, 3.25, -12.4, 1234.4)] == ["0.0", "0.0", "-0.4", "+3.2", "-12",
+                                                                            "+1,234"]
+
+
+def test_ceiling_in_the_measurement(measured):
+    gap = measured["gap"]
+    window = next(w for w in gap["measured"]["windows"] if w["name"] == "real-lengths")
+    records = [json.loads(line) for line in open(f"{window['folder']}/metrics.jsonl") if '"loss"' in line]
+    assert ceiling_tokens_per_s(records) > 0
+    assert gap["ceiling"]["tokens_per_s"] == pytest.approx(ceiling_tokens_per_s(records))
+    assert gap["ceiling"]["tokens_per_s"] == pytest.approx(window["ceiling_tokens_per_s"])
+    assert f"{window['peak_tflops']:.3g} TFLOP/s" in gap["ceiling"]["note"]
+    line = next(line for line in measured["table"].splitlines() if line.startswith("ceiling, your lengths"))
+    assert f"{gap['ceiling']['tokens_per_s']:,.0f}" in line
+    assert "of the ceiling)" in next(line for line in measured["table"].splitlines() if line.startswith("your run"))
+    assert "ceiling, your lengths" in (measured["out"] / "gap.html").read_text()
+
+
 def test_gap_files_and_report(measured):
     out = measured["out"]
     gap = read_gap(out / "gap.json")
@@ -176,6 +205,11 @@ def test_report_format_generalised(tmp_path, measured):
     (tmp_path / "gap.json").write_text(json.dumps(gap))
     assert read_gap(tmp_path / "gap.json")["final"]["label"] == "reachable"
     assert_png(plot_gap(read_gap(tmp_path / "gap.json")))
+    gap["ceiling"] = {"label": "ceiling", "tokens_per_s": -1}
+    (tmp_path / "gap.json").write_text(json.dumps(gap))
+    with pytest.raises(ValueError, match="ceiling must be"):
+        read_gap(tmp_path / "gap.json")
+    del gap["ceiling"]
     gap["steps"][1] = {"skipped": "no factor name"}
     (tmp_path / "gap.json").write_text(json.dumps(gap))
     with pytest.raises(ValueError, match=r"steps\[1\] lacks \['factor'\]"):

@@ -48,7 +48,9 @@ A factor whose setting equals the advertised one is skipped, with the reason. A 
 stage's tokens/s minus the previous stage's; the last stage is "your run", so the bars sum to your run
 minus advertised by construction. The advertised window runs once more at the end: the two differ by the
 noise and drift of the whole measurement, and a fix is named only for a factor that costs more than that
-(at least NOISE) of the advertised throughput. Output: the table (stdout), OUT/gap.json (format: gapless.meter.report), OUT/gap.png
+(at least NOISE) of the advertised throughput. Beside "advertised" stands the ceiling for the user's own lengths:
+the real-lengths window's documents at 100% MFU (ceiling_tokens_per_s), so a run faster than advertised still shows
+how far it is from the limit. Output: the table (stdout), OUT/gap.json (format: gapless.meter.report), OUT/gap.png
 and OUT/gap.html (the waterfall), and for `gapless gap RUN` also RUN/gap.json and RUN/report.html.
 """
 from __future__ import annotations
@@ -104,6 +106,10 @@ class Window:
     evals: int = 0
     padding: float = 0.0  # padding fraction of the slots (from the window's metrics record)
     startup_s: float = 0.0  # from train()'s start to the end of its first step: data, model, compile, step 1
+    # the window's lengths at 100% MFU: its tokens/s over its MFU = peak FLOP/s / FLOPs per real token, the
+    # peak measured at the window's start and the FLOPs counted on its own documents (gapless/meter/flops.py)
+    ceiling_tokens_per_s: float = 0.0
+    peak_tflops: float = 0.0  # the matmul peak train() measured at the window's start
 
     @property
     def tokens_per_step(self) -> float:
@@ -170,6 +176,15 @@ def full_rows(rows: int, max_seq_len: int, vocab_size: int, seed: int = 0):
     return Mixture([ds], [rows], ["synthetic full rows"])
 
 
+def ceiling_tokens_per_s(records: list[dict]) -> float:
+    """The real tokens/s of `records`' documents at 100% MFU, peak FLOP/s over model FLOPs per real token. A record
+    gives its FLOPs per real token as tflops / tokens_per_s (both over its timed seconds) and the peak that train()
+    measured at its start (peak_tflops); records are weighted by their real tokens. 0 without such records."""
+    timed = [r for r in records if r.get("tflops") and r.get("tokens_per_s") and r.get("peak_tflops")]
+    seconds_at_peak = sum(r["real_tokens"] * r["tflops"] / (r["tokens_per_s"] * r["peak_tflops"]) for r in timed)
+    return sum(r["real_tokens"] for r in timed) / seconds_at_peak if seconds_at_peak else 0.0
+
+
 class Runner:
     """Runs the windows of one gap measurement into OUT/windows/NN-name and reports each on `log`."""
 
@@ -202,7 +217,9 @@ class Runner:
                    checkpoints=last // cfg.checkpoint.every if cfg.checkpoint.every else 0,
                    evals=sum("eval_loss" in r for r in records),
                    padding=1 - sum(r["real_tokens"] for r in train_records) / slots if slots else 0.0,
-                   startup_s=result.first_step_s or 0.0)
+                   startup_s=result.first_step_s or 0.0,
+                   ceiling_tokens_per_s=ceiling_tokens_per_s(train_records),
+                   peak_tflops=max((r.get("peak_tflops") or 0.0 for r in train_records), default=0.0))
         self.windows.append(w)
         self.log(f"gap: window {len(self.windows)} ({name}): {w.tokens_per_step / w.step_s:,.0f} real tokens/s over "
                  f"{self.steps} steps of {w.step_s * 1e3:.1f} ms (stalls left out) in {folder}")
@@ -276,6 +293,10 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     run = copy.deepcopy(base)
     run.data.batching = d.batching
     w = runner.window("real-lengths", run, (mix, None, summary))
+    ceiling = {"label": "ceiling, your lengths", "tokens_per_s": w.ceiling_tokens_per_s,
+               "note": f"your documents at 100% MFU: the matmul peak measured here "
+                       f"({w.peak_tflops:.3g} TFLOP/s) over the model FLOPs per real token on your lengths "
+                       "(gapless/meter/flops.py); no run reaches it"}
     fix = ("data.batching: packed" if d.batching != "packed" else
            "data.pack_algorithm: best_fit" if d.pack_algorithm != "best_fit" else
            "none in the config: packed already; the rest is your documents' lengths (row tails)")
@@ -379,6 +400,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                          "note": f"full rows of {d.max_seq_len} random tokens, packed, {d.tokens_per_batch} tokens "
                                  f"per step, no checkpoints, no evaluation, data ready, {base.model.dtype}"},
             "steps": waterfall(stages.rows, stages.advertised, max(NOISE, noise)), "final": {"label": "your run"},
+            **({"ceiling": ceiling} if ceiling["tokens_per_s"] else {}),
             "measured": {"steps": steps, "warmup_steps": 1, "device": str(device), "dtype": base.model.dtype,
                          "model": user.model.path, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                          "device_name": _device_name(device),
@@ -399,10 +421,13 @@ def _device_name(device) -> str:
 def format_table(gap: dict) -> str:
     """The waterfall as a text table: factor, setting, tokens/s, change, share of the baseline, fix; then how
     each factor was measured."""
-    from gapless.meter.report import proposed_fix
+    from gapless.meter.report import proposed_fix, signed
 
     base = gap["baseline"]["tokens_per_s"]
+    ceiling = gap.get("ceiling")
     rows = [("factor", "your setting", "tokens/s", "change", "% of adv.", "fix"),
+            *([(ceiling["label"], "", f"{ceiling['tokens_per_s']:,.0f}", "",
+                f"{100 * ceiling['tokens_per_s'] / base:.1f}%", "")] if ceiling else []),
             (gap["baseline"]["label"], "", f"{base:,.0f}", "", "100.0%", "")]
     value = base
     for s in gap["steps"]:
@@ -410,10 +435,10 @@ def format_table(gap: dict) -> str:
             rows.append((s["factor"], "skipped", "", "", "", ""))
             continue
         value = s["tokens_per_s"]
-        rows.append((s["factor"], s.get("setting", ""), f"{value:,.0f}", f"{s['delta']:+,.0f}",
+        rows.append((s["factor"], s.get("setting", ""), f"{value:,.0f}", signed(s["delta"]),
                      f"{100 * value / base:.1f}%", proposed_fix(s)))
-    rows.append((gap["final"]["label"], "", f"{value:,.0f}", f"{value - base:+,.0f}", f"{100 * value / base:.1f}%",
-                 ""))
+    rows.append((gap["final"]["label"], "", f"{value:,.0f}", signed(value - base), f"{100 * value / base:.1f}%",
+                 f"({100 * value / ceiling['tokens_per_s']:.1f}% of the ceiling)" if ceiling else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     right = (False, False, True, True, True)
 
@@ -428,7 +453,8 @@ def format_table(gap: dict) -> str:
     if m and "noise" in m:
         head += (f"\nnoise: the advertised window, run again last, differs by {100 * m['noise']:.1f}%; a fix is named "
                  f"only for a change costing more than {100 * max(NOISE, m['noise']):.1f}% of advertised")
-    notes = [f"  {gap['baseline']['label']}: {gap['baseline']['note']}"] if gap["baseline"].get("note") else []
+    notes = [f"  {ceiling['label']}: {ceiling['note']}"] if ceiling and ceiling.get("note") else []
+    notes += [f"  {gap['baseline']['label']}: {gap['baseline']['note']}"] if gap["baseline"].get("note") else []
     notes += [f"  {s['factor']}: {s['skipped'] if 'skipped' in s else s.get('note', '')}" for s in gap["steps"]]
     return "\n".join([head, *map(line, rows), "", "how each was measured:", *notes])
 

@@ -127,6 +127,10 @@ def read_gap(path: Path) -> dict:
             raise ValueError(f"{path}: steps[{i}] ({step['factor']}): delta {step['delta']} but tokens_per_s "
                              f"goes from {previous} to {step['tokens_per_s']} ({expected:+})")
         previous = step["tokens_per_s"]
+    ceiling = gap.get("ceiling")
+    if ceiling is not None and not (isinstance(ceiling, dict) and isinstance(ceiling.get("tokens_per_s"), (int, float))
+                                    and ceiling["tokens_per_s"] > 0 and "label" in ceiling):
+        raise ValueError(f"{path}: ceiling must be {{'label', 'tokens_per_s' > 0}}, got {ceiling!r}")
     return {**gap, "baseline": {**base, "label": label, "tokens_per_s": float(base["tokens_per_s"])},
             "steps": steps, "final": final}
 
@@ -298,32 +302,73 @@ def plot_gpu(samples: list[dict]) -> bytes:
     return _png(fig)
 
 
+def signed(value: float) -> str:
+    """A change in tokens/s with its sign: whole numbers from 10 up, one decimal below (never "-0")."""
+    return f"{value:+,.0f}" if abs(value) >= 9.95 else f"{value:+.1f}".replace("-0.0", "0.0").replace("+0.0", "0.0")
+
+
 def plot_gap(gap: dict) -> bytes:
-    """The waterfall: the baseline bar, one floating bar per measured step (its delta) and the final bar."""
+    """The waterfall (the ceiling for the user's lengths, when gap.json has it, as an outlined bar before the
+    baseline; the baseline; one floating bar per measured step, its delta; the final bar) and, below it, each
+    step's change as a share of the baseline on its own scale, so a cost of 0.5% is as visible as one of 50%."""
+    from matplotlib.figure import Figure
+
     steps = [s for s in gap["steps"] if "skipped" not in s]
-    fig, (ax,) = _figure(height=3.4, width=WIDE)
     base = gap["baseline"]["tokens_per_s"]
     final = steps[-1]["tokens_per_s"] if steps else base
-    labels = ([gap["baseline"]["label"]] + [s["factor"] for s in steps]
-              + [(gap.get("final") or {}).get("label", "reachable")])
+    ceiling = (gap.get("ceiling") or {}).get("tokens_per_s")
+    fig = Figure(figsize=(WIDE, 5.6 if steps else 3.4), layout="constrained")
+    axes = fig.subplots(2 if steps else 1, 1, squeeze=False, gridspec_kw={"height_ratios": [3, 2]} if steps else None)
+    for ax in axes[:, 0]:
+        ax.grid(True, color=COLORS["grid"], linewidth=0.8)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        ax.tick_params(labelsize=8)
+    ax = axes[0, 0]
+    first = -1 if ceiling else 0
+    labels = ([gap["ceiling"]["label"]] if ceiling else []) + [gap["baseline"]["label"]] + \
+        [s["factor"] for s in steps] + [(gap.get("final") or {}).get("label", "reachable")]
+    if ceiling:
+        ax.bar(-1, ceiling, color="none", edgecolor=COLORS["base"], hatch="//", width=0.6)
+        ax.text(-1, ceiling, f"{ceiling:,.0f}", ha="center", va="bottom", fontsize=8)
     ax.bar(0, base, color=COLORS["base"], width=0.6)
     ax.text(0, base, f"{base:,.0f}", ha="center", va="bottom", fontsize=8)
     previous = base
     for i, s in enumerate(steps, 1):
         delta = s["tokens_per_s"] - previous
         ax.bar(i, delta, bottom=previous, color=COLORS["up"] if delta >= 0 else COLORS["down"], width=0.6)
-        ax.text(i, max(previous, s["tokens_per_s"]), f"{delta:+,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i, max(previous, s["tokens_per_s"]), signed(delta), ha="center", va="bottom", fontsize=8)
         ax.plot([i - 1 + 0.3, i - 0.3], [previous, previous], color=COLORS["base"], lw=0.8, ls=":")
         previous = s["tokens_per_s"]
     n = len(steps) + 1
     ax.plot([n - 1 + 0.3, n - 0.3], [previous, previous], color=COLORS["base"], lw=0.8, ls=":")
     ax.bar(n, final, color=COLORS["train"], width=0.6)
-    ax.text(n, final, f"{final:,.0f} ({100 * final / base:.0f}%)" if base else f"{final:,.0f}", ha="center",
-            va="bottom", fontsize=8)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=20 if len(labels) > 6 else 0, ha="center")
+    share = f" ({100 * final / base:.0f}%" + (f", {100 * final / ceiling:.0f}% of the ceiling)" if ceiling else ")")
+    ax.text(n, final, f"{final:,.0f}{share if base else ''}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(first, n + 1), labels, fontsize=8, rotation=20 if len(labels) > 6 else 0, ha="center")
     ax.set_ylabel("real tokens / s", fontsize=9)
-    ax.set_ylim(0, max(base, final, *(s["tokens_per_s"] for s in steps)) * 1.12)
+    ax.set_ylim(0, max(base, final, ceiling or 0, *(s["tokens_per_s"] for s in steps)) * 1.12)
     ax.grid(False, axis="x")
+    if steps:  # the zoom: the changes on a scale set by the second largest, the largest clipped at the edge
+        zoom = axes[1, 0]
+        changes = [100 * s["delta"] / base for s in steps] if base else [0.0] * len(steps)
+        sizes = sorted(map(abs, changes), reverse=True)
+        span = (sizes[1] if len(sizes) > 1 and sizes[1] > 0 else sizes[0]) or 1.0
+        y = range(len(steps))
+        shown = [max(-1.2 * span, min(1.2 * span, c)) for c in changes]
+        zoom.barh(y, shown, color=[COLORS["up"] if c >= 0 else COLORS["down"] for c in changes], height=0.6,
+                  hatch=["//" if c != v else "" for c, v in zip(changes, shown)])
+        for yi, c, v in zip(y, changes, shown):
+            clipped = " (clipped)" if c != v else ""
+            zoom.text(v, yi, f" {c:+.2f}%{clipped} ", va="center", ha="left" if c >= 0 else "right", fontsize=8)
+        zoom.set_xlim(-span * 1.6, span * 1.6)
+        zoom.set_yticks(list(y), [s["factor"] for s in steps], fontsize=8)
+        zoom.invert_yaxis()
+        zoom.axvline(0, color=COLORS["base"], lw=0.8)
+        zoom.set_xlabel(f"change, % of {gap['baseline']['label']} (zoomed to the second largest; larger ones "
+                        "clipped)", fontsize=9)
+        zoom.grid(False, axis="y")
     return _png(fig)
 
 
@@ -539,8 +584,12 @@ def gap_section(gap: dict, png: bytes | None = None) -> str:
     def esc(value) -> str:
         return html.escape(str(value))
 
-    rows = [f'<tr><th>{esc(gap["baseline"]["label"])}</th><td></td><td class="n">{base:,.0f}</td><td></td>'
-            f'<td class="n">100%</td><td></td><td>{esc(gap["baseline"].get("note", ""))}</td></tr>']
+    ceiling = gap.get("ceiling")
+    rows = [f'<tr><td>{esc(ceiling["label"])}</td><td></td><td class="n">{ceiling["tokens_per_s"]:,.0f}</td><td></td>'
+            f'<td class="n">{100 * ceiling["tokens_per_s"] / base:.0f}%</td><td></td>'
+            f'<td>{esc(ceiling.get("note", ""))}</td></tr>'] if ceiling else []
+    rows.append(f'<tr><th>{esc(gap["baseline"]["label"])}</th><td></td><td class="n">{base:,.0f}</td><td></td>'
+                f'<td class="n">100%</td><td></td><td>{esc(gap["baseline"].get("note", ""))}</td></tr>')
     value = base
     for s in gap["steps"]:
         if "skipped" in s:
@@ -548,11 +597,11 @@ def gap_section(gap: dict, png: bytes | None = None) -> str:
             continue
         value = s["tokens_per_s"]
         rows.append(f'<tr><td>{esc(s["factor"])}</td><td>{esc(s.get("setting", ""))}</td>'
-                    f'<td class="n">{value:,.0f}</td><td class="n">{s["delta"]:+,.0f}</td>'
+                    f'<td class="n">{value:,.0f}</td><td class="n">{signed(s["delta"])}</td>'
                     f'<td class="n">{100 * value / base:.1f}%</td><td>{esc(proposed_fix(s))}</td>'
                     f'<td>{esc(s.get("note", ""))}</td></tr>')
     rows.append(f'<tr><th>{esc(gap["final"]["label"])}</th><td></td><th class="n">{value:,.0f}</th>'
-                f'<th class="n">{value - base:+,.0f}</th><th class="n">{100 * value / base:.1f}%</th><td></td>'
+                f'<th class="n">{signed(value - base)}</th><th class="n">{100 * value / base:.1f}%</th><td></td>'
                 '<td>the sum of the changes above</td></tr>')
     noise = (gap.get("measured") or {}).get("noise")  # `gapless gap`: two windows of the baseline's conditions
     noise_html = ("" if noise is None else f'<p class="sub">noise: two windows of {esc(gap["baseline"]["label"])} '
