@@ -45,7 +45,8 @@ def main(argv=None) -> int:
                               dtype=row.get("dtype", "bfloat16"), lora_r=lora.get("r", 16),
                               lora_targets=lora.get("targets", ALL_LINEAR),
                               activation_checkpointing=int(recipe.get("checkpoint", False)),
-                              compiled=recipe.get("compile", False), loss_chunk=recipe.get("loss_chunk", 4096))
+                              compiled=recipe.get("compile", False), loss_chunk=recipe.get("loss_chunk", 4096),
+                              lora_dropout=lora.get("dropout") or 0.0, lora_kernel=recipe.get("lora_kernel", "grouped"))
         error = est.allocated_gib / row["peak_gib"] - 1
         worst = max(worst, abs(error))
         print(f"{row['run_id']:<28} {row['model']:<14} {row['config']:<22} {method:<6} {row['tokens_per_batch']:>7} "

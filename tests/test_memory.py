@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gapless.config import LoraConfig
-from gapless.meter.memory import GIB, auto_tokens, estimate_memory, format_table, max_tokens, parameter_count
+from gapless.meter.memory import (GIB, auto_tokens, dropout_mask_bytes, estimate_memory, format_table, max_tokens,
+                                  parameter_count)
 from gapless.model.decoder import CausalLM, ModelArgs
 from gapless.model.loading import read_model_args
 from gapless.model.lora import apply_lora
@@ -70,6 +71,22 @@ def test_activation_checkpointing_keeps_layer_inputs():
     assert on == pytest.approx(100 * (2 * 64 * 2 + layer))  # two inputs kept, one layer recomputed at a time
     eager = _rows(estimate_memory(TINY, "lora", tokens=100, compiled=False))["activations"]
     assert eager == pytest.approx(1.34 * off)
+
+
+def test_lora_dropout_masks_by_hand():
+    # grouped: one mask for q/k/v (64) and one for gate/up (64), o_proj's (64 = 4 heads x 16) and down_proj's (128)
+    assert dropout_mask_bytes(TINY) == 64 + 64 + 64 + 128
+    assert dropout_mask_bytes(TINY, kernel="concat") == 320  # concat runs grouped under dropout
+    assert dropout_mask_bytes(TINY, kernel="reference") == 6 * 64 + 128  # one per projection
+    assert dropout_mask_bytes(TINY, ["q_proj", "v_proj", "down_proj"]) == 64 + 128
+    off = _rows(estimate_memory(TINY, "lora", tokens=100))["activations"]
+    on = _rows(estimate_memory(TINY, "lora", tokens=100, lora_dropout=0.05))["activations"]
+    assert on - off == pytest.approx(100 * 2 * 320)
+    assert _rows(estimate_memory(TINY, "full", tokens=100, lora_dropout=0.05))["activations"] == \
+        _rows(estimate_memory(TINY, "full", tokens=100))["activations"]  # full fine-tuning has no LoRA dropout
+    # the H200 row it was checked against (run 20261204T172451Z-h200, 3B best_dropout, 56.79 GiB): within 5%
+    est = estimate_memory(read_model_args(MODELS / "llama-3.2-3b"), "lora", tokens=16_384, lora_dropout=0.05)
+    assert est.allocated_gib == pytest.approx(56.79, rel=0.05)
 
 
 @pytest.mark.parametrize("model, chunk, measured", [

@@ -8,6 +8,8 @@
          + AdamW state                                exp_avg + exp_avg_sq, float32: 8 B per trainable element
          + activations                                N tokens x L layers x (A x hidden + B x intermediate) bytes,
                                                       scaled by the dtype's size / 2
+         + LoRA dropout masks                         lora.dropout > 0: 1 B (a bool) per input feature of each
+                                                      dropout mask, per token per layer (dropout_mask_bytes)
          + the loss's working set                     chunk x vocab x 6 B (bf16 logits + fp32 softmax/gradient of
                                                       one chunk; kernels/loss.py) + the final hidden states N x hidden
          + QLoRA's dequantised weights                one layer's projections in the compute dtype (transient)
@@ -31,8 +33,16 @@ packed_fused row (61.38 GiB, same run), the one fully eager measurement; a check
 s3-grouped's grouped rows ran 20 of 28 layers eager (a recompile bug, bench/RESULTS.md) and measured 55.53 GiB,
 which 8 compiled + 20 eager layers predict as 56.18 (+1.2%). With activation checkpointing a checkpointed
 layer keeps only its input (2 x hidden B per token in bf16) and one layer's activations exist again during its
-backward. The QLoRA, full fine-tuning and checkpointing terms are derived, not yet fitted: bench/RESULTS.md gets
-predicted against measured once the GPU runs them.
+backward. The QLoRA, full fine-tuning and checkpointing terms are derived, not fitted; bench/RESULTS.md (sixth
+round) holds them against measured peaks.
+
+LoRA dropout keeps, per layer, the bool mask of every dropout it draws for backward (the dropped input itself is
+recomputed from x and the mask): with lora.kernel grouped (and concat, which runs grouped under dropout) one mask
+over the hidden size for q/k/v and one for gate/up, with reference one per projection; o_proj's and down_proj's
+each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B layer, /tmp script over
+bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and [N, 8192], one mask fewer
+than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this predicts as 54.19 (-4.6%),
+where the prediction without the masks was 46.75 (-17.7%).
 """
 from __future__ import annotations
 
@@ -100,7 +110,8 @@ class MemoryEstimate:
 
 def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "bfloat16", lora_r: int = 16,
                     lora_targets: Sequence[str] = ALL_LINEAR, activation_checkpointing: int = 0,
-                    loss_chunk: int = 2048, compiled: bool = True, shards: int = 1) -> MemoryEstimate:
+                    loss_chunk: int = 2048, compiled: bool = True, shards: int = 1, lora_dropout: float = 0.0,
+                    lora_kernel: str = "grouped") -> MemoryEstimate:
     """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring), on one GPU.
 
     activation_checkpointing: 0 = off, k = every k-th layer checkpointed (model.activation_checkpointing).
@@ -109,6 +120,7 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     state by `shards`, and all-gathers whole layers only while they compute: one layer's parameters in the compute
     dtype for the layer running and one for the layer prefetched (FSDP2's default prefetch of one). Activations and
     the loss are per micro-batch: `tokens` is this GPU's micro-batch (the global batch / GPUs), not sharded.
+    lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full.
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {list(METHODS)}")
@@ -146,6 +158,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     layer = (ACT_BYTES_PER_HIDDEN * D + ACT_BYTES_PER_INTERMEDIATE * args.intermediate_size) * e / 2
     if not compiled:
         layer *= EAGER_ACTIVATION_FACTOR
+    masks = dropout_mask_bytes(args, lora_targets, lora_kernel) if lora_dropout > 0 and method != "full" else 0
+    layer += masks
     checkpointed = len(range(0, L, activation_checkpointing)) if activation_checkpointing else 0
     act_per_token = (L - checkpointed) * layer + checkpointed * D * e + (layer if checkpointed else 0)
     rows.append(("activations", tokens * act_per_token,
@@ -153,7 +167,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
                  + (f"{L - checkpointed} layers x {layer / 1024:.1f} KiB" if checkpointed < L else "")
                  + (" + " if 0 < checkpointed < L else "")
                  + (f"{checkpointed} checkpointed x {D * e} B + one layer recomputed" if checkpointed else "")
-                 + (", eager x 1.34" if not compiled else "") + ")"))
+                 + (", eager x 1.34" if not compiled else "")
+                 + (f", with {masks:,} B of LoRA dropout masks a layer" if masks else "") + ")"))
     chunk = min(loss_chunk, tokens)
     rows.append(("loss working set", chunk * V * LOSS_BYTES_PER_LOGIT + tokens * D * e,
                  f"chunk {chunk:,} x vocab {V:,} x 6 B + final hidden states"))
@@ -175,6 +190,17 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     return MemoryEstimate(rows, fixed_bytes=total - tokens * per_token, per_token_bytes=per_token, tokens=tokens)
 
 
+def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "grouped") -> int:
+    """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
+    each mask drawn. grouped (and concat, which runs grouped with dropout): the targeted projections that read the
+    same input share one mask (q/k/v; gate/up); reference: one mask per targeted projection."""
+    shapes = projection_shapes(args)
+    if kernel == "reference":
+        return sum(shapes[name][0] for name in targets)
+    groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)]
+    return sum(shapes[g[0]][0] for g in groups if any(name in targets for name in g))
+
+
 def max_tokens(args: ModelArgs, method: str, budget_gib: float, **kwargs) -> int:
     """The most tokens per micro-batch whose predicted total fits `budget_gib` (0 when even the fixed part
     does not); the loss chunk is taken as full (the budget a short batch needs is no larger)."""
@@ -189,6 +215,7 @@ def estimate_kwargs(cfg, compiled: bool | None = None) -> dict:
     from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 
     return {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
+            "lora_dropout": cfg.lora.dropout, "lora_kernel": cfg.lora.kernel,
             "activation_checkpointing": cfg.model.activation_checkpointing,
             "compiled": cfg.model.compile is not False if compiled is None else compiled,
             "loss_chunk": DEFAULT_CHUNK_SIZE}
