@@ -22,7 +22,7 @@ import pytest
 
 from gapless.cli import main
 from gapless.config import ConfigError, load_config
-from gapless.meter.sinks import scalars, write_tensorboard
+from gapless.meter.sinks import open_sinks, scalars, write_tensorboard
 from gapless.train.loop import train
 from conftest import training_records
 from test_loop import STEPS, base, run_config  # noqa: F401 (base: the fixture)
@@ -90,6 +90,18 @@ def test_scalars_of_each_kind_of_record():
     assert scalars({"kind": "stopped", "step": 4, "reason": "SIGTERM"}) == {}
 
 
+def test_tensorboard_gpu_samples_follow_the_earlier_sessions(tmp_path):
+    pytest.importorskip("tensorboard")
+    samples = [{"t": t, "util": 90} for t in (0.5, 1.0, 0.5, 2.0)]  # two sessions: 1.0 s, then 2.0 s
+    (tmp_path / "gpu.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    sinks = open_sinks(["tensorboard"], tmp_path)  # a third session: its samples start at 3.0 s
+    sinks.gpu({"t": 0.25, "util": 97, "power_w": None, "temp_c": 60})
+    sinks.write({"step": 7, "loss": 0.5})
+    sinks.close()
+    assert tb_scalars(tmp_path / "tensorboard") == {"gpu/util": {3250: 97.0}, "gpu/temp_c": {3250: 60.0},
+                                                    "train/loss": {7: 0.5}}
+
+
 @pytest.fixture
 def live_wandb(monkeypatch):
     """A stand-in wandb whose log() also notes the last line of metrics.jsonl at the moment it is called."""
@@ -136,7 +148,7 @@ def test_sinks_are_closed_when_the_run_fails(base, live_wandb, monkeypatch):  # 
         raise RuntimeError("disk gone")
 
     monkeypatch.setattr(loop, "finish", fail)
-    cfg = run_config(base, "wb_fail", **{"train.report_to": "[wandb]"})
+    cfg = run_config(base, "wb_fail", **{"train.report_to": "[wandb]", "train.steps": 2, "checkpoint.every": 0})
     with pytest.raises(RuntimeError, match="disk gone"):
         train(cfg)
     (wb,) = live_wandb
@@ -175,7 +187,7 @@ def test_config_errors_name_the_field():
         load_config(data=data, overrides=["train.report_to=[wandb, wandb]"])
     with pytest.raises(ValueError, match="train.report_to: expected a list"):
         load_config(data=data, overrides=["train.report_to=tensorboard"])
-    with pytest.warns(UserWarning, match="train.wandb is set but config.train.report_to does not list wandb: it is ignored"):
+    with pytest.warns(UserWarning, match="train.wandb is set but config.train.report_to does not list wandb"):
         load_config(data=data, overrides=["train.wandb.project=mine"])
     cfg = load_config(data=data, overrides=["train.report_to=[tensorboard, wandb]", "train.wandb.name=first"])
     assert cfg.train.report_to == ["tensorboard", "wandb"] and cfg.train.wandb.mode == "offline"

@@ -384,7 +384,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                          n_step=n_step),
                     start, device, shrink=0.5, granularity=1, minimum=1,
                     on_oom=lambda old, new: metrics.write({"kind": "oom_backoff", "step": step + 1,
-                                                                     "rows_per_micro_batch": [old, new]}))
+                                                           "rows_per_micro_batch": [old, new]}))
                 rows = min(rows, ran)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
@@ -404,7 +404,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 if cfg.model.compile and failed:  # the startup eval graphs and the first step's are all compiled
                     warnings.warn(not_compiled_message(failed), stacklevel=1)
                     metrics.write({"kind": "compile", "step": step, "frames_not_compiled": failed,
-                                            "message": not_compiled_message(failed)})
+                                   "message": not_compiled_message(failed)})
                 t_steady = time.perf_counter()
                 steady_mark = timeline.summary()
                 result.first_step_s = steady_mark["wall"]
@@ -450,7 +450,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                "check the base weights and the data, then resume from the last checkpoint")
                     run.progress.message(message)
                     metrics.write({"kind": "stopped", "step": step, "reason": "nonfinite",
-                                            "first_bad_step": first, "message": message})
+                                   "first_bad_step": first, "message": message})
                     result.stopped = "nonfinite"
                     break
 
@@ -476,7 +476,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 where = f"checkpoint step {step} written" if saved else "no checkpoint written"
                 run.progress.message(f"{stop.requested}: stopped after step {step}, {where}; continue with --resume")
                 metrics.write({"kind": "stopped", "step": step, "reason": stop.requested,
-                                        "checkpoint": saved})
+                               "checkpoint": saved})
                 result.stopped = stop.requested
                 break
 
