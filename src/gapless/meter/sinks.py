@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from gapless.meter.monitor import load_samples
-from gapless.meter.report import joined_sessions, read_run
+from gapless.meter.report import Run, joined_sessions, read_run
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "compute_tokens_per_s", "mfu", "padding_fraction")
 GPU_KEYS = ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c")  # the GPU sample fields written as scalars
@@ -146,21 +146,24 @@ class Sinks:
             sink.gpu(sample)
 
     def close(self, failed: bool = False) -> None:
-        """Every sink is closed, also when one of them fails to."""
+        """Every sink is closed, also when one of them fails to (the first such error is raised after)."""
         sinks, self.sinks = self.sinks, []
-        try:
-            if sinks:
-                sinks[0].close(failed)
-        finally:
-            if sinks[1:]:
-                Sinks(sinks[1:]).close(failed)
+        errors = []
+        for sink in sinks:
+            try:
+                sink.close(failed)
+            except Exception as e:  # the next sink is closed all the same
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def __bool__(self) -> bool:
         return bool(self.sinks)
 
 
-def open_sinks(names, run_dir: Path, wandb=None, config: dict | None = None) -> Sinks:
-    """The live sinks of `names` (train.report_to) for the run in `run_dir`; `wandb`: train.wandb."""
+def open_sinks(names, run_dir: Path, wandb_config=None, config: dict | None = None) -> Sinks:
+    """The live sinks of `names` (train.report_to) for the run in `run_dir`; `wandb_config`: train.wandb; `config`:
+    the run's config as a dict, which the W&B run records."""
     require(names)
     opened = Sinks()
     try:
@@ -170,17 +173,17 @@ def open_sinks(names, run_dir: Path, wandb=None, config: dict | None = None) -> 
                 offset = joined_sessions(gpu)[-1]["t"] if gpu else 0.0  # the earlier sessions' samples come first
                 opened.sinks.append(TensorBoardSink(run_dir / "tensorboard", offset))
             else:
-                opened.sinks.append(WandbSink(run_dir, project=wandb.project, name=wandb.name, mode=wandb.mode,
-                                              entity=wandb.entity, config=config))
+                w = wandb_config
+                opened.sinks.append(WandbSink(run_dir, project=w.project, name=w.name, mode=w.mode, entity=w.entity,
+                                              config=config))
     except BaseException:
         opened.close(failed=True)
         raise
     return opened
 
 
-def replay(run_dir: str | Path, sink) -> None:
-    """The run folder's records through `sink`, in step order, then its GPU samples; closes the sink."""
-    run = read_run(run_dir)
+def replay(run: Run, sink) -> None:
+    """A run folder's records (read_run) through `sink`, in step order, then its GPU samples; closes the sink."""
     try:
         # a stable sort: at one step the training record, then evaluation, then time (W&B steps must increase)
         for record in sorted([*run.train, *run.eval, *run.time], key=lambda r: r["step"]):
@@ -193,11 +196,10 @@ def replay(run_dir: str | Path, sink) -> None:
 
 def write_tensorboard(run_dir: str | Path) -> Path:
     """`gapless report RUN --tensorboard`: the run's scalars as event files in RUN/tensorboard; returns that folder."""
-    run_dir = Path(run_dir)
-    read_run(run_dir)  # a folder without metrics.jsonl is refused before anything is written
+    run = read_run(run_dir)  # a folder without metrics.jsonl is refused before anything is written
     require(["tensorboard"], "--tensorboard")
-    sink = TensorBoardSink(run_dir / "tensorboard")
-    replay(run_dir, sink)
+    sink = TensorBoardSink(run.path / "tensorboard")
+    replay(run, sink)
     return sink.folder
 
 
@@ -209,5 +211,5 @@ def export_wandb(run_dir: str | Path, project: str = "gapless", mode: str = "off
     run = read_run(run_dir)
     require(["wandb"], "--wandb")
     sink = WandbSink(run.path, project=project, name=run.path.name, mode=mode, config=run.config, live=False)
-    replay(run.path, sink)
+    replay(run, sink)
     return sink.folder
