@@ -181,15 +181,43 @@ def test_trl_converts_and_trains(files, capsys):
 def test_refuses_every_key_it_cannot_honour(files):
     text = AXOLOTL.replace("adapter: lora", "adapter: qlora").replace("optimizer: adamw_torch",
                                                                        "optimizer: paged_adamw_8bit")
-    text = text.format(**files, out="x").replace("wandb_project:\n", "wandb_project: mine\n")
+    text = text.format(**files, out="x").replace("wandb_project:\n", "wandb_project: mine\nwandb_watch: all\n")
     raw = yaml.safe_load(text + "deepspeed: deepspeed_configs/zero2.json\nlr_scheduler_kwargs: {a: 1}\n")
     with pytest.raises(ValueError) as e:
         convert(raw)
     msg = str(e.value)
-    for key in ("optimizer", "deepspeed", "wandb_project", "lr_scheduler_kwargs"):
+    for key in ("optimizer", "deepspeed", "wandb_watch", "lr_scheduler_kwargs"):
         assert f"\n  {key}:" in msg, key
     if "qlora" not in typing.get_args(typing.get_type_hints(RunConfig)["method"]):  # until QLoRA lands
         assert "adapter: qlora" in msg and "method 'qlora'" in msg
+
+
+def test_axolotl_tracking_keys_become_report_to(files):
+    text = AXOLOTL.format(**files, out="x").replace(
+        "wandb_project:\n", "wandb_project: mine\nwandb_name: first\nwandb_watch: false\nuse_tensorboard: true\n")
+    raw = yaml.safe_load(text)
+    conv = convert(raw)
+    cfg = from_dict(RunConfig, conv.config)
+    assert cfg.train.report_to == ["tensorboard", "wandb"]
+    assert (cfg.train.wandb.project, cfg.train.wandb.name, cfg.train.wandb.mode) == ("mine", "first", "offline")
+    assert "train.wandb.mode: offline  (gapless's default, no network; Axolotl uploads" in conv.format()
+    assert from_dict(RunConfig, convert({**raw, "wandb_mode": "disabled"}).config).train.report_to == ["tensorboard"]
+    assert from_dict(RunConfig, convert({**raw, "wandb_mode": "online"}).config).train.wandb.mode == "online"
+    with pytest.raises(ValueError, match="wandb_log_model: checkpoint: gapless logs scalars to W&B"):
+        convert({**raw, "wandb_log_model": "checkpoint"})
+
+
+def test_trl_report_to_and_run_name(files):
+    raw = yaml.safe_load(TRL.format(**files, out="x"))
+    conv = convert({**raw, "report_to": ["tensorboard", "wandb"], "run_name": "r1"})
+    cfg = from_dict(RunConfig, conv.config)
+    assert cfg.train.report_to == ["tensorboard", "wandb"]
+    assert (cfg.train.wandb.name, cfg.train.wandb.mode) == ("r1", "offline")
+    cfg = from_dict(RunConfig, convert({**raw, "report_to": "tensorboard", "run_name": "r1"}).config)
+    assert cfg.train.report_to == ["tensorboard"] and cfg.train.wandb.name is None  # run_name names a W&B run
+    for value, why in (("mlflow", r"not \['mlflow'\]"), (["wandb", "all"], "name them instead of all")):
+        with pytest.raises(ValueError, match=f"report_to: .*gapless reports to tensorboard and wandb .*{why}"):
+            convert({**raw, "report_to": value})
 
 
 def test_dataset_keys_refused_by_entry(files):

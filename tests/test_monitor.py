@@ -163,11 +163,12 @@ def test_sampler_writes_json_lines(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
     monkeypatch.setattr(monitor, "_nvml_uuid", lambda device: "GPU-0000")
     t0 = time.perf_counter() - 5.0  # the run started 5 s ago
-    with GpuMonitor(tmp_path / "gpu.jsonl", "cuda", t0=t0, interval_s=0.02) as m:
+    given = []  # what the live TensorBoard sink gets (train.report_to)
+    with GpuMonitor(tmp_path / "gpu.jsonl", "cuda", t0=t0, interval_s=0.02, on_sample=given.append) as m:
         assert m.available and m.status.startswith("GPU monitor: sampling NVIDIA H200 every 0.02 s")
         time.sleep(0.15)
     rows = load_samples(tmp_path / "gpu.jsonl")
-    assert len(rows) >= 3 and len(rows) == m.samples
+    assert len(rows) >= 3 and len(rows) == m.samples and given == rows
     assert all(r["t"] >= 5.0 for r in rows) and rows == sorted(rows, key=lambda r: r["t"])
     assert rows[0] == {"t": rows[0]["t"], "gpu": "NVIDIA H200", "util": 93, "mem_used_mib": 3072.0,
                        "mem_total_mib": 144384.0, "power_w": 612.3, "power_limit_w": None, "sm_clock_mhz": 1980,

@@ -96,6 +96,9 @@ def run_train(args) -> int:
 
         print(dry_run_report(cfg, gpu_gib=args.gpu_gib, tokens_per_s=args.tokens_per_s))
         return 0
+    from gapless.meter.sinks import require
+
+    require(cfg.train.report_to)  # a missing tensorboard or wandb package: now, before any rank starts
     if args.nproc is not None and not launched_by_torchrun():
         if args.nproc < 1:
             raise ValueError(f"--nproc: {args.nproc}; give the number of processes (GPUs) to run, e.g. 8")
@@ -245,8 +248,8 @@ def register_report(sub) -> None:
 
 
 def run_report(args) -> int:
-    from gapless.meter.report import write_compare, write_report, write_tensorboard
-    from gapless.meter.wandb_export import export_wandb
+    from gapless.meter.report import write_compare, write_report
+    from gapless.meter.sinks import export_wandb, write_tensorboard
 
     if len(args.runs) > 1:
         if args.tensorboard or args.wandb:

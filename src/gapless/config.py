@@ -474,6 +474,20 @@ class ModelConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "gapless"  # the W&B project
+    name: str | None = None  # the W&B run's name; null = the run folder's name
+    entity: str | None = None  # the W&B team or user the run goes to (online); null = your default
+    # offline: files under RUN/wandb, no network and no account (`wandb sync RUN/wandb/offline-run-*` uploads them
+    # later); online: streamed to the W&B server as the run goes (needs `wandb login`)
+    mode: Literal["offline", "online"] = "offline"
+
+    def validate(self, where: str = "wandb") -> None:
+        if not self.project.strip():
+            raise ValueError(f"{where}.project: empty; give a W&B project name, e.g. gapless")
+
+
+@dataclass
 class TrainConfig:
     # length of the run in optimizer steps; 0 = `epochs` passes over the training data
     steps: int = 0
@@ -482,6 +496,12 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps between metric reads (the only host sync of the loop)
     eval_every: int = 0  # optimizer steps between evaluations on the held-out split; 0 = only at the end
     seed: int = 0  # the model's initialisation of adapters and dropout masks
+    # also send every metric record, as it is written to metrics.jsonl, to these (rank 0): tensorboard (event files
+    # in RUN/tensorboard; pip install 'gapless[tensorboard]'), wandb (a W&B run as train.wandb says; pip install
+    # 'gapless[wandb]'). Empty: metrics.jsonl only (`gapless report RUN --tensorboard --wandb` exports it later)
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    # the W&B run when report_to lists wandb (each training session, a resume included, is a W&B run of its own)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self, where: str = "train") -> None:
         if self.steps < 0:
@@ -493,6 +513,12 @@ class TrainConfig:
                 raise ValueError(f"{where}.{key}: must be >= 1, got {getattr(self, key)}")
         if self.eval_every < 0:
             raise ValueError(f"{where}.eval_every: must be >= 0, got {self.eval_every}")
+        twice = sorted({s for s in self.report_to if self.report_to.count(s) > 1})
+        if twice:
+            raise ValueError(f"{where}.report_to: {twice} listed more than once; list each sink once")
+        if "wandb" not in self.report_to and self.wandb != WandbConfig():
+            warnings.warn(f"{where}.wandb is set but {where}.report_to does not list wandb: it is ignored; "
+                          f"add wandb to {where}.report_to to log to W&B", stacklevel=2)
 
 
 @dataclass

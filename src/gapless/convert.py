@@ -298,6 +298,7 @@ AXOLOTL_IGNORABLE = {
     "train_on_inputs": None,
     "local_rank": "set by the launcher",
     "debug": "no effect on what trains",
+    "use_tensorboard": None,
     "wandb_mode": None, "wandb_project": None, "wandb_entity": None, "wandb_watch": None, "wandb_name": None,
     "wandb_log_model": None,
 }
@@ -397,13 +398,56 @@ def convert_axolotl(raw: dict) -> Conversion:
     return c.finish(ignorable)
 
 
+# W&B keys that only change what W&B itself uploads besides the scalars: off is fine, on is refused
+WANDB_EXTRAS = {"wandb_watch": "gradient and parameter histograms", "wandb_log_model": "model files as artifacts"}
+
+
+def _report_to(c: _Converter, key: str, sinks: list[str]) -> None:
+    """train.report_to gains `sinks`, because of the source's `key`."""
+    report = c.out.setdefault("train", {}).setdefault("report_to", [])
+    report += [s for s in sinks if s not in report]
+    c.note(key, f"train.report_to: [{', '.join(report)}]")
+
+
+def _wandb_offline(c: _Converter, source: str, who: str) -> None:
+    """train.wandb.mode offline, said on the mapping's line for `source` (the peer would upload)."""
+    _set(c.out, "train.wandb.mode", "offline")
+    c.conv.applied.append((source, f"train.wandb.mode: offline  (gapless's default, no network; {who} uploads as it "
+                                   "goes: train.wandb.mode=online does that)"))
+
+
 def _wandb(c: _Converter) -> None:
-    keys = [k for k in c.raw if k.startswith("wandb_")]
-    for k in keys:
-        if c.has(k):
-            c.refuse(k, "gapless exports to W&B after the run: `gapless report RUN --wandb` (offline by default)")
+    """Axolotl logs to W&B when wandb_project is set (unless wandb_mode is disabled), to TensorBoard with
+    use_tensorboard: train.report_to and train.wandb."""
+    if c.get("use_tensorboard"):
+        _report_to(c, "use_tensorboard", ["tensorboard"])
+    elif "use_tensorboard" in c.raw:
+        c.note("use_tensorboard", "off")
+    mode = c.get("wandb_mode")
+    on = c.has("wandb_project") and mode != "disabled"
+    if on:
+        _report_to(c, "wandb_project", ["wandb"])
+        c.put("wandb_project", "train.wandb.project", str(c.get("wandb_project")))
+        if mode in ("online", "offline"):
+            c.put("wandb_mode", "train.wandb.mode", mode)
+        elif mode in (None, ""):
+            _wandb_offline(c, "wandb_mode: (unset)", "Axolotl")
         else:
-            c.note(k, "empty: no W&B")
+            c.refuse("wandb_mode", "expected online, offline or disabled")
+        for key, name in (("wandb_name", "name"), ("wandb_entity", "entity")):
+            if c.has(key):
+                c.put(key, f"train.wandb.{name}", str(c.get(key)))
+    for key in [k for k in c.raw if k.startswith("wandb_") and k not in c.seen]:
+        value = c.get(key)
+        if not c.has(key) or (key in WANDB_EXTRAS and value in (False, "false")):
+            c.note(key, "empty: no W&B" if not c.has(key) else "off")
+        elif not on:
+            c.note(key, "unused: no W&B (wandb_mode: disabled)" if c.has("wandb_project") else
+                   "unused: no W&B without wandb_project")
+        elif key in WANDB_EXTRAS:
+            c.refuse(key, f"gapless logs scalars to W&B (train.report_to: [wandb]), not {WANDB_EXTRAS[key]}")
+        else:
+            c.refuse(key, "no gapless equivalent (train.wandb has project, name, entity and mode)")
 
 
 def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
@@ -542,7 +586,7 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
 
 
 TRL_IGNORABLE = {
-    "logging_dir": "gapless logs to RUN/metrics.jsonl",
+    "logging_dir": "gapless logs to RUN/metrics.jsonl (and TensorBoard to RUN/tensorboard)",
     "overwrite_output_dir": "gapless writes into output_dir",
     "do_train": "gapless train trains",
     "save_strategy": None, "eval_strategy": None, "evaluation_strategy": None, "logging_strategy": None,
@@ -602,12 +646,7 @@ def convert_trl(raw: dict) -> Conversion:
         c.note("eval_steps", "eval_strategy is no: not evaluated")
     if c.get("logging_strategy", "steps") != "steps":
         c.refuse("logging_strategy", "gapless logs every N steps (logging_steps)")
-    report_to = c.get("report_to")
-    if report_to in ("none", [], None, ["none"]):
-        if "report_to" in raw:
-            c.note("report_to", "none")
-    else:
-        c.refuse("report_to", "gapless exports after the run: `gapless report RUN --tensorboard --wandb`")
+    _trl_report_to(c)
     # the data: one local source
     dataset = c.get("dataset_name")
     source: dict = {}
@@ -653,6 +692,29 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _trl_report_to(c: _Converter) -> None:
+    """TrainingArguments.report_to (a name or a list; "none"), and run_name, which names the W&B run."""
+    value = c.get("report_to")
+    names = [value] if isinstance(value, str) else list(value or [])
+    sinks = [n for n in names if n != "none"]
+    unknown = [n for n in sinks if n not in ("tensorboard", "wandb")]
+    if not sinks:
+        if "report_to" in c.raw:
+            c.note("report_to", "none")
+    elif unknown:
+        c.refuse("report_to", f"gapless reports to tensorboard and wandb (train.report_to), not {unknown}"
+                 + ("; name them instead of all" if "all" in unknown else ""))
+    else:
+        _report_to(c, "report_to", sinks)
+        if "wandb" in sinks:
+            _wandb_offline(c, "report_to: wandb", "TRL")
+    if c.has("run_name"):
+        if "wandb" in sinks and not unknown:
+            c.put("run_name", "train.wandb.name", str(c.get("run_name")))
+        else:
+            c.note("run_name", "unused: it names the W&B run, and report_to has no wandb")
 
 
 def convert(raw: dict, fmt: str | None = None) -> Conversion:

@@ -26,7 +26,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +53,9 @@ class GpuMonitor:
     `close()`. Check `available` / `status`: on a CPU run, or without NVML, it does nothing."""
 
     def __init__(self, path: str | Path, device: torch.device | str, t0: float | None = None,
-                 interval_s: float = 0.5):
+                 interval_s: float = 0.5, on_sample: Callable[[dict], None] | None = None):
         self.path = Path(path)
+        self.on_sample = on_sample  # also given each sample, in the sampling thread (the live TensorBoard sink)
         self.interval_s = interval_s
         self.t0 = time.perf_counter() if t0 is None else t0
         self.available = False
@@ -105,6 +106,8 @@ class GpuMonitor:
                 sample = {"t": round(time.perf_counter() - self.t0, 3), "gpu": self.name, **sample}
                 f.write(json.dumps(sample) + "\n")
                 f.flush()
+                if self.on_sample is not None:
+                    self.on_sample(sample)
                 self.samples += 1
                 self._stop.wait(self.interval_s)
 

@@ -1,4 +1,4 @@
-"""The run report: RUN/report.html from the files of a run folder, and TensorBoard event files as an option.
+"""The run report: RUN/report.html from the files of a run folder (TensorBoard and W&B: gapless.meter.sinks).
 
 The report only reads files; metrics.jsonl stays the source of truth. It reads:
 
@@ -182,10 +182,6 @@ def findings(run: Run) -> list[Finding]:
             "rerun a few steps with TORCH_LOGS=recompiles,graph_breaks to see why; a recompile limit hit means "
             "code guarding on something per layer"))
     return found
-
-
-# the GPU sample fields the exporters (TensorBoard here, W&B in wandb_export.py) write as scalars
-GPU_KEYS = ("util", "mem_used_mib", "power_w", "sm_clock_mhz", "temp_c")
 
 
 def joined_sessions(samples: list[dict]) -> list[dict]:
@@ -769,38 +765,4 @@ def write_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
         raise ValueError("compare: give at least two run folders")
     out = Path(out)
     out.write_text(render_compare([read_run(d) for d in run_dirs]), encoding="utf-8")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# TensorBoard, optional
-
-
-def write_tensorboard(run_dir: str | Path) -> Path:
-    """Write the run's metrics as TensorBoard scalars into RUN/tensorboard/ and return that folder.
-    Needs the `tensorboard` package (torch.utils.tensorboard writes the event files)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("TensorBoard event files need the tensorboard package: pip install tensorboard "
-                         "(report.html needs nothing more)") from None
-    run = read_run(run_dir)
-    out = run.path / "tensorboard"
-    writer = SummaryWriter(str(out))
-    try:
-        for r in run.train:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if r.get(key) is not None:
-                    writer.add_scalar(f"train/{key}", r[key], r["step"])
-        for r in run.eval:
-            writer.add_scalar("eval/loss", r["eval_loss"], r["step"])
-        for r in run.time:
-            for c, v in r["seconds"].items():
-                writer.add_scalar(f"time/{c}_s", v, r["step"])
-        for s in joined_sessions(run.gpu):  # x: milliseconds of run time
-            for key in GPU_KEYS:
-                if s.get(key) is not None:
-                    writer.add_scalar(f"gpu/{key}", s[key], int(s["t"] * 1000))
-    finally:
-        writer.close()
     return out

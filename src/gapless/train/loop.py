@@ -16,6 +16,8 @@ non-finite weights; SIGTERM/SIGINT end the run after the current step with a che
 Host syncs: the hot path has none. Loss sums and grad norms stay on the device and are read once per
 `train.log_every` steps (marked SYNC below). Tokens are host integers from the data pipeline; the whole run's
 throughput is the last record of metrics.jsonl: real tokens / wall time from the start of `train` to its end.
+`train.report_to` sinks (TensorBoard, W&B: gapless.meter.sinks) get each record as metrics.jsonl does, on rank 0,
+and are closed however the run ends (a W&B run that raised is marked failed).
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import plots_of, read_run, write_report
+from gapless.meter.sinks import Sinks, open_sinks
+from gapless.meter.sinks import require as require_sinks
 from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
@@ -135,10 +139,25 @@ def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
     return steps
 
 
-def write_metrics(f, record: dict) -> None:
-    """One strict JSON line: a nan or inf number (a diverged loss or grad norm) is written as null."""
-    f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
-    f.flush()
+class Metrics:
+    """metrics.jsonl, and the train.report_to sinks (gapless.meter.sinks), which get each record at the moment it is
+    written: the same host values, so no device read is added. Ranks other than 0 write to os.devnull, no sinks."""
+
+    def __init__(self, file, sinks: Sinks | None = None):
+        self.file, self.sinks = file, sinks or Sinks()
+
+    def write(self, record: dict) -> None:
+        """One strict JSON line: a nan or inf number (a diverged loss or grad norm) is written as null."""
+        self.file.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+        self.file.flush()
+        self.sinks.write(record)
+
+    def close(self, failed: bool = False) -> None:
+        """The file, then every sink (flushed; a W&B run marked failed when the run raised)."""
+        try:
+            self.file.close()
+        finally:
+            self.sinks.close(failed)
 
 
 def _strict(value):
@@ -330,7 +349,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     step done."""
     cfg, timeline, device = run.cfg, run.timeline, run.device
     batches = Prefetcher(run.sampler, device, timeline=timeline)
-    monitor = GpuMonitor(run.run_dir / run.parallel.per_rank("gpu.jsonl"), device, t0=timeline.t0)  # each rank its GPU
+    monitor = GpuMonitor(run.run_dir / run.parallel.per_rank("gpu.jsonl"), device, t0=timeline.t0,  # each rank its GPU
+                         on_sample=metrics.sinks.gpu if metrics.sinks else None)
     run.progress.message(monitor.status)
     k = cfg.train.grad_accum
     window_loss = torch.zeros((), dtype=torch.float32, device=device)  # read every log_every steps
@@ -363,8 +383,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                          run.optimizer, cfg.optim.grad_clip, scaler=run.scaler, zero_first=True,
                                          n_step=n_step),
                     start, device, shrink=0.5, granularity=1, minimum=1,
-                    on_oom=lambda old, new: write_metrics(metrics, {"kind": "oom_backoff", "step": step + 1,
-                                                                     "rows_per_micro_batch": [old, new]}))
+                    on_oom=lambda old, new: metrics.write({"kind": "oom_backoff", "step": step + 1,
+                                                           "rows_per_micro_batch": [old, new]}))
                 rows = min(rows, ran)
                 lr = run.scheduler.get_last_lr()[0]
                 run.scheduler.step()
@@ -383,8 +403,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 failed = frames_not_compiled() - frames_failed_before
                 if cfg.model.compile and failed:  # the startup eval graphs and the first step's are all compiled
                     warnings.warn(not_compiled_message(failed), stacklevel=1)
-                    write_metrics(metrics, {"kind": "compile", "step": step, "frames_not_compiled": failed,
-                                            "message": not_compiled_message(failed)})
+                    metrics.write({"kind": "compile", "step": step, "frames_not_compiled": failed,
+                                   "message": not_compiled_message(failed)})
                 t_steady = time.perf_counter()
                 steady_mark = timeline.summary()
                 result.first_step_s = steady_mark["wall"]
@@ -412,12 +432,12 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 record.update(aggregate(run.parallel, device, window_loss, window.trained, window.real,
                                         timeline.summary()["compute"] - window.compute_mark,
                                         time.perf_counter() - window.t_window))
-                write_metrics(metrics, record)
+                metrics.write(record)
                 result.losses[step] = loss_mean = record["loss"]
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
                 window_loss.zero_()
                 skipped_tokens.zero_()
-                write_metrics(metrics, timeline.record(step))
+                metrics.write(timeline.record(step))
                 timeline.end("logging")
                 window.start(timeline.summary()["compute"])
                 if nonfinite:
@@ -429,8 +449,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                f"{first} to {step}: the run stops (no update was applied for them). Lower optim.lr, "
                                "check the base weights and the data, then resume from the last checkpoint")
                     run.progress.message(message)
-                    write_metrics(metrics, {"kind": "stopped", "step": step, "reason": "nonfinite",
-                                            "first_bad_step": first, "message": message})
+                    metrics.write({"kind": "stopped", "step": step, "reason": "nonfinite",
+                                   "first_bad_step": first, "message": message})
                     result.stopped = "nonfinite"
                     break
 
@@ -443,7 +463,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 timeline.settle()  # SYNC: queued training steps are compute, not evaluation
                 with timeline.phase("eval"):
                     ev = evaluate(run.model, run.eval_batches, device)
-                write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
+                metrics.write({"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
                 run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
             if stop is not None and stop.requested:
@@ -455,8 +475,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                     run.checkpoints.wait()
                 where = f"checkpoint step {step} written" if saved else "no checkpoint written"
                 run.progress.message(f"{stop.requested}: stopped after step {step}, {where}; continue with --resume")
-                write_metrics(metrics, {"kind": "stopped", "step": step, "reason": stop.requested,
-                                        "checkpoint": saved})
+                metrics.write({"kind": "stopped", "step": step, "reason": stop.requested,
+                               "checkpoint": saved})
                 result.stopped = stop.requested
                 break
 
@@ -486,7 +506,7 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
             timeline.settle()
             with timeline.phase("eval"):
                 ev = evaluate(run.model, run.eval_batches, run.device)
-            write_metrics(metrics, {"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
+            metrics.write({"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
             progress.message(f"final eval loss {ev['eval_loss']:.4f}")
         from gapless.model.export import copy_tokenizer_files
 
@@ -516,10 +536,10 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
     plots = None
     if run.parallel.is_main:
         with timeline.phase("logging"):
-            write_metrics(metrics, environment_record(run.device, step))  # the session's device, by name
+            metrics.write(environment_record(run.device, step))  # the session's device, by name
             plots = plots_of(read_run(run.run_dir))
     final_record = _run_record(timeline.record(step, final=True), result)
-    write_metrics(metrics, final_record)
+    metrics.write(final_record)
     result.wall_s, result.seconds = final_record["wall_s"], final_record["seconds"]
     result.tokens_per_s = final_record["tokens_per_s"]
     progress.message(f"time: {format_summary({**final_record['seconds'], 'wall': final_record['wall_s']})}")
@@ -552,6 +572,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
             if auto_note:
                 progress.message(auto_note)
             cfg.check_output_dir()
+            require_sinks(cfg.train.report_to)  # a missing tensorboard/wandb package: said now, not after the model
             run_dir = Path(cfg.output_dir)
             # one run per folder (rank 0 holds the lock; the kernel releases it however this process ends)
             with RunLock(run_dir) if parallel.is_main else contextlib.nullcontext():
@@ -567,16 +588,23 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
                 step = resume(run, latest) if cfg.resume else 0
                 result = RunResult(run_dir=run.run_dir, steps=run.steps_total)
                 progress.total = run.steps_total
-                metrics = open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main else open(os.devnull, "w")
+                metrics = Metrics(open_metrics(run.run_dir / "metrics.jsonl", step) if parallel.is_main
+                                  else open(os.devnull, "w"))
                 try:
+                    if parallel.is_main:  # rank 0 alone reports, as it alone writes metrics.jsonl
+                        metrics.sinks = open_sinks(cfg.train.report_to, run.run_dir, cfg.train.wandb, to_dict(run.cfg))
                     if changed:
-                        write_metrics(metrics, {"kind": "resume", "step": step, "changed": {k: list(v) for k, v in
-                                                                                             changed.items()}})
+                        metrics.write({"kind": "resume", "step": step,
+                                       "changed": {k: list(v) for k, v in changed.items()}})
                     with StopSignals() as stop:
                         step = run_loop(run, step, result, metrics, stop_after, stop)
                     finish(run, step, result, metrics)
-                finally:
+                except BaseException:
+                    metrics.close(failed=True)
+                    raise
+                else:
                     metrics.close()
+                finally:
                     parallel.close()  # torchrun: the process group (a rank that fails exits, and torchrun ends the others)
         finally:
             progress.close()

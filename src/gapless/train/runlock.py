@@ -28,12 +28,14 @@ import yaml
 from gapless.config import read_yaml
 
 LOCK = ".lock"
-# Dotted config fields a resume may change: how long the run goes on, how often it logs, evaluates and saves, and
-# where or how fast it runs (attention backend and compile give the same numbers within rounding). Everything else
+# Dotted config fields a resume may change: how long the run goes on, how often it logs, evaluates and saves, where
+# the metrics also go, and where or how fast it runs (attention backend and compile give the same numbers within
+# rounding). Everything else
 # would mix two runs in one set of weights: the data, model, method, rank, alpha, optimizer and batch settings.
 RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every", "checkpoint.every",
              "checkpoint.keep", "checkpoint.async_write", "progress", "resume", "output_dir", "model.device",
-             "model.attn_backend", "model.compile", "data.num_workers", "data.cache_dir")
+             "model.attn_backend", "model.compile", "data.num_workers", "data.cache_dir", "train.report_to",
+             "train.wandb")
 
 
 class RunLock:
@@ -91,7 +93,8 @@ def prepare_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> No
     if not overwrite:
         raise ValueError(f"output_dir: {run} already holds a run ({held}); continue it with --resume, replace it "
                          "with --overwrite, or give this run another output_dir")
-    for name in ("checkpoints", "metrics.jsonl", "gpu.jsonl", "report.html"):
+    # RUN/tensorboard's event files would mix with the new run's; RUN/wandb's runs are each a W&B run of its own: kept
+    for name in ("checkpoints", "metrics.jsonl", "gpu.jsonl", "report.html", "tensorboard"):
         path = run / name
         if path.is_dir():
             shutil.rmtree(path)
