@@ -10,6 +10,10 @@ The report only reads files; metrics.jsonl stays the source of truth. It reads:
     gpu.jsonl       GPU samples (optional; see gapless.meter.monitor)
     gap.json        the throughput gap waterfall (optional; format below)
 
+A run of several processes (training records with world_size > 1 and the per-rank meter's fields, defined in
+gapless.train.parallel) adds a "Ranks and communication" section: the slowest rank, the spread of real tokens per
+rank, the waiting for slower ranks, and exposed versus overlapped communication, over the run and per window.
+
 report.html is one self-contained file: inline CSS, each plot a PNG in a base64 data URI, no script and
 no external resource, so it can be mailed or attached to an issue as is.
 
