@@ -323,7 +323,7 @@ class CommClock:
                 self._ready = self._mark()
 
         def done(fut):
-            with self._lock:  # the last callback to run holds the latest mark (CPU); on CUDA the max is taken later
+            with self._lock:  # a step ends when its last bucket is launched and every bucket's all-reduce is done
                 self._done.append(self._mark())
                 self._pending -= 1
                 if self._pending == 0 and self._ready is not None:
@@ -343,17 +343,17 @@ class CommClock:
 
 
 def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: int, real: int, compute_s: float,
-              t_window: float, steps: int, timeline=None) -> dict:
+              t_window: float, steps: int, timeline) -> dict:
     """At a log point (not per step): every rank's window numbers gathered, as fields of the metrics record (the
     module docstring defines them). `compute_s`: this rank's compute seconds in the window; `t_window`: the
-    perf_counter reading at its start; `steps`: its optimizer steps. `timeline` (this rank's): the barrier is
+    perf_counter reading at its start; `steps`: its optimizer steps. `timeline`: this rank's; the barrier is
     charged to "communication", and so are this rank's per-step tails, out of the phase each step ran in
     (compute; the warm-up step's stay startup). Returns the global loss (the sum over ranks over the global
     trained tokens) and the spread per rank."""
     if not run.active:
         return {}
     start = time.perf_counter()
-    with timeline.phase("communication") if timeline is not None else contextlib.nullcontext():
+    with timeline.phase("communication"):
         dist.barrier()  # SYNC: once per log point
     wait = time.perf_counter() - start
     step_s = time.perf_counter() - t_window
@@ -374,8 +374,7 @@ def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: 
         waits += (every - per_step).sum(dim=1)
         in_compute = torch.tensor([phase == "compute" for phase, _ in tails], dtype=torch.float64)
         own = compute - (every * in_compute).sum(dim=1)  # compute_s holds the compute phases' tails only
-        if timeline is not None:
-            timeline.move("compute", "communication", sum(t for phase, t in tails if phase == "compute"))
+        timeline.move("compute", "communication", sum(t for phase, t in tails if phase == "compute"))
     slowest = int(waits.argmin().item())  # the rank the others waited for: it waited the least
     return {
         "loss": loss / max(trained_all, 1),
