@@ -27,7 +27,7 @@ from test_report import assert_png, images
 
 STEPS = 6  # measured steps per window (plus the warm-up step): ~0.5 s a window here
 FACTORS = ["real lengths", "gradient accumulation", "logging", "checkpoints", "evaluation", "data loading",
-           "start-up", "precision"]
+           "communication", "start-up", "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,8 @@ def test_every_factor_measured_and_bars_sum(measured):
     steps = gap["steps"]
     assert [s["factor"] for s in steps] == FACTORS
     skipped = {s["factor"]: s["skipped"] for s in steps if "skipped" in s}
-    assert list(skipped) == ["precision"] and "on the CPU" in skipped["precision"]  # float32 throughout
+    assert list(skipped) == ["communication", "precision"] and "on the CPU" in skipped["precision"]  # float32
+    assert skipped["communication"].startswith("one process: no communication")
     bars = [s for s in steps if "skipped" not in s]
     base = gap["baseline"]["tokens_per_s"]
     assert math.isclose(sum(s["delta"] for s in bars), bars[-1]["tokens_per_s"] - base, rel_tol=1e-9)
@@ -228,7 +229,7 @@ def test_cli_gap_run_folder(measured, one_thread, capsys):
     assert [w["name"] for w in gap["measured"]["windows"]] == ["advertised", "real-lengths", "intervals", "advertised-again"]
     steps = gap["steps"]
     assert {s["factor"] for s in steps if "skipped" in s} == {"gradient accumulation", "logging", "checkpoints",
-                                                              "precision"}
+                                                              "communication", "precision"}
     evaluation = next(s for s in steps if s["factor"] == "evaluation")  # eval_every 0: once, after the run's steps
     assert evaluation["setting"] == f"train.eval_every: 0 (once, after {STEPS + 2} steps)"
     assert (run / "gap" / "gap.json").is_file() and read_run(run).gap is not None

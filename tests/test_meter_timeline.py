@@ -42,11 +42,26 @@ def test_phases_nested_and_other_exact():
     clock.t += 0.125
     s = t.summary()                     # an open phase counts up to now
     assert s == {"startup": 2.0, "compute": 4.0, "data_wait": 1.0, "h2d_copy": 0.25, "checkpoint": 0.0,
-                 "eval": 0.0, "logging": 0.125, "other": 1.75, "wall": 9.125}
+                 "eval": 0.0, "logging": 0.125, "communication": 0.0, "other": 1.75, "wall": 9.125}
     assert_sums_to_wall(s)
     t.end("logging")
     clock.t += 1.0
     assert t.summary()["other"] == 2.75 and t.summary()["wall"] == 10.125
+
+
+def test_move_charges_measured_seconds_elsewhere():
+    """The exposed communication inside compute steps, measured apart, moves to "communication": the sum stays the
+    wall time, and no more than the source holds moves."""
+    clock = Clock()
+    t = Timeline(clock=clock)
+    with t.phase("compute"):
+        clock.t += 3.0
+    t.move("compute", "communication", 0.5)
+    s = t.summary()
+    assert s["compute"] == 2.5 and s["communication"] == 0.5
+    assert_sums_to_wall(s)
+    t.move("compute", "communication", 10.0)
+    assert t.summary()["compute"] == 0.0 and t.summary()["communication"] == 3.0
 
 
 def test_mismatched_end_and_unknown_phase_are_caught():

@@ -21,6 +21,10 @@ advertised conditions and switching on the user's settings one at a time, cumula
   data loading     the seconds the loop waited for its next batch (data_wait: the prefetch thread's
                    collation fell behind) plus the host-to-device copies (h2d_copy), per step; the stages
                    before leave them out
+  communication    several processes: from a torchrun run's metrics.jsonl (`gapless gap RUN`), the share f of
+                   each rank's step time spent in exposed communication and waiting for slower ranks
+                   (`communication_share`); the stage's tokens/s times (1 - f). The windows run in one process:
+                   with none of those records ("one process: no communication") the factor is skipped.
   precision        CUDA only: the user's model.dtype instead of bfloat16. On the CPU every window runs in
                    the user's dtype (the advertised bfloat16 is a GPU setting) and the table says so.
 
@@ -150,6 +154,27 @@ def waterfall(stages: list[dict], advertised: float, threshold: float = NOISE) -
     return out
 
 
+def communication_share(records: list[dict]) -> dict | None:
+    """What communication cost a run of several processes, from its training records (metrics.jsonl; the fields
+    are gapless.train.parallel's): over its logged windows after the warm-up step,
+
+        f = sum(comm_exposed_s + collective_wait_s_mean) / sum(rank_step_s_max)
+
+    the share of a rank's time in collectives that compute did not hide plus the mean rank's time waiting for the
+    slowest. Under FSDP2 comm_exposed_s is null (not measured): f holds the waiting only, and `measured` says so.
+    None for a run of one process (no such records)."""
+    ranks = [r for r in records if r.get("world_size", 1) > 1 and r.get("rank_step_s_max")]
+    steady = [r for r in ranks if r.get("compute_tokens_per_s") is not None] or ranks  # the warm-up's window out
+    if not steady:
+        return None
+    exposed = sum(r.get("comm_exposed_s") or 0.0 for r in steady)
+    wait = sum(r["collective_wait_s_mean"] for r in steady)
+    seconds = sum(r["rank_step_s_max"] for r in steady)
+    return {"share": (exposed + wait) / seconds, "exposed_s": exposed, "wait_s": wait, "seconds": seconds,
+            "steps": sum(r.get("window_steps", 0) for r in steady), "world_size": steady[-1]["world_size"],
+            "strategy": steady[-1]["strategy"], "measured": steady[-1].get("comm_measured", "")}
+
+
 # ---------------------------------------------------------------------------------------------
 # the windows
 
@@ -254,8 +279,29 @@ class Stages:
         self.rows.append({"factor": factor, "skipped": reason})
 
 
-def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log=None) -> dict:
-    """Measure the gap of `cfg` (windows of `steps` measured steps under `out`); gap.json's content."""
+def communication(stages: Stages, ranks: dict | None) -> None:
+    """The communication factor: the stage's tokens/s times (1 - f), f = ranks["share"] (communication_share of a
+    torchrun run's records), as a stall of step_s * f / (1 - f) per step; skipped for one process."""
+    if ranks is None:
+        stages.skipped("communication", "one process: no communication (a torchrun run's folder, `gapless gap RUN`, "
+                                        "gives its measured cost)")
+    else:
+        f, n = ranks["share"], max(ranks["steps"], 1)
+        exposed = ("not measured (FSDP2)" if ranks["strategy"] == "fsdp" else
+                   f"{1e3 * ranks['exposed_s'] / n:.2f} ms per step exposed")
+        stages.stall("communication", f"{ranks['world_size']} processes, parallel.strategy: {ranks['strategy']}",
+                     stages.point[1] * f / (1 - f), 1,
+                     f"measured in the run: {100 * f:.1f}% of each rank's time ({exposed}, "
+                     f"{1e3 * ranks['wait_s'] / n:.2f} ms per step waiting for slower ranks, over {ranks['steps']} "
+                     f"steps); tokens/s times (1 - {f:.3f})",
+                     "more tokens per step (data.tokens_per_batch, train.grad_accum) spread each all-reduce over "
+                     "more compute; waiting: the run's rank_imbalance and slowest_rank in metrics.jsonl")
+
+
+def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log=None,
+                ranks: dict | None = None) -> dict:
+    """Measure the gap of `cfg` (windows of `steps` measured steps under `out`); gap.json's content. `ranks`:
+    communication_share of the run's records when it ran on several processes."""
     from gapless.data.batching import BatchSampler
     from gapless.data.pipeline import build_data
     from gapless.train.loop import resolve_auto, resolve_device, total_steps
@@ -369,6 +415,8 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                  f"over {w.steps} steps)",
                  "no config setting: one prefetch thread collates the batches (gapless/train/prefetch.py) and fell "
                  "behind the steps")
+
+    communication(stages, ranks)
 
     # start-up, once per run: the latest window's, from train()'s start to the end of its first step (the token
     # cache warm, as a second run finds it; this process's imports are not in it), over the run's steps
@@ -486,7 +534,12 @@ def run_gap(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ste
         run_dir, path = path, path / "config.yaml"
     cfg = load_config(path, list(overrides))
     out = Path(out) if out is not None else (run_dir / "gap" if run_dir is not None else Path("runs/gap"))
-    gap = measure_gap(cfg, out, steps, log)
+    ranks = None
+    if run_dir is not None and (run_dir / "metrics.jsonl").is_file():  # a torchrun run: its communication, measured
+        from gapless.meter.report import read_run
+
+        ranks = communication_share(read_run(run_dir).train)
+    gap = measure_gap(cfg, out, steps, log, ranks)
     gap["config"] = str(path)
     written = [write_gap(gap, out)]
     if run_dir is not None:

@@ -10,6 +10,10 @@ The report only reads files; metrics.jsonl stays the source of truth. It reads:
     gpu.jsonl       GPU samples (optional; see gapless.meter.monitor)
     gap.json        the throughput gap waterfall (optional; format below)
 
+A run of several processes (training records with world_size > 1 and the per-rank meter's fields, defined in
+gapless.train.parallel) adds a "Ranks and communication" section: the slowest rank, the spread of real tokens per
+rank, the waiting for slower ranks, and exposed versus overlapped communication, over the run and per window.
+
 report.html is one self-contained file: inline CSS, each plot a PNG in a base64 data URI, no script and
 no external resource, so it can be mailed or attached to an issue as is.
 
@@ -53,7 +57,8 @@ from gapless.meter.timeline import CATEGORIES, LABELS, session_totals
 COLORS = {"train": "#2f6db5", "eval": "#e07b28", "grid": "#e6e8eb", "up": "#3a9a5b", "down": "#c8473d",
           "base": "#7a8591"}
 CATEGORY_COLORS = {"startup": "#9aa5b1", "compute": "#2f6db5", "data_wait": "#e07b28", "h2d_copy": "#c9a227",
-                   "checkpoint": "#c8473d", "eval": "#7d5ba6", "logging": "#3a9a5b", "other": "#5d6b78"}
+                   "checkpoint": "#c8473d", "eval": "#7d5ba6", "logging": "#3a9a5b", "communication": "#b5527a",
+                   "other": "#5d6b78"}
 
 
 @dataclass
@@ -303,6 +308,73 @@ def signed(value: float) -> str:
     return f"{value:+,.0f}" if abs(value) >= 9.95 else f"{value:+.1f}".replace("-0.0", "0.0").replace("+0.0", "0.0")
 
 
+def rank_records(run: Run) -> list[dict]:
+    """The training records of a run of several processes (torchrun, world size > 1) that carry the per-rank
+    meter (gapless.train.parallel.aggregate; a run folder written before it has none); [] otherwise."""
+    return [r for r in run.train if r.get("world_size", 1) > 1 and "slowest_rank" in r]
+
+
+def plot_ranks(run: Run) -> bytes:
+    """Per logged window, milliseconds per step: exposed communication, overlapped communication and the mean
+    rank's waiting for slower ranks (gapless.train.parallel defines them)."""
+    fig, (ax,) = _figure()
+    rows = rank_records(run)
+    steps = [r["step"] for r in rows]
+
+    def per_step(key: str) -> list:
+        return [None if r.get(key) is None else 1e3 * r[key] / max(r.get("window_steps", 1), 1) for r in rows]
+
+    ax.plot(steps, per_step("comm_exposed_s"), color=COLORS["down"], lw=1.4, marker="o", ms=3, label="exposed")
+    ax.plot(steps, per_step("comm_overlapped_s"), color=COLORS["up"], lw=1.2, marker="o", ms=3, label="overlapped")
+    ax.plot(steps, per_step("collective_wait_s_mean"), color=COLORS["eval"], lw=1.2, marker="o", ms=3,
+            label="waiting for ranks (mean)")
+    ax.set_ylim(bottom=0)
+    _step_axis(ax, run)
+    ax.set_ylabel("ms per step", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def ranks_section(run: Run, png: bytes | None = None) -> str:
+    """Several processes: the slowest rank, the spread of real tokens per rank, the waiting and the communication
+    (exposed and overlapped), over the run's logged windows, as a table, and per window as a plot."""
+    rows = rank_records(run)
+    steady = [r for r in rows if r.get("compute_tokens_per_s") is not None] or rows  # the warm-up's window out
+    steps = max(sum(r.get("window_steps", 0) for r in steady), 1)
+    seconds = sum(r["rank_step_s_max"] for r in steady)
+    last = rows[-1]
+
+    def ms(key: str) -> str | None:
+        if any(r.get(key) is None for r in steady):
+            return None
+        total = sum(r[key] for r in steady)
+        return f"{1e3 * total / steps:.2f} ms per step ({100 * total / max(seconds, 1e-9):.1f}% of the time)"
+
+    slowest = [r["slowest_rank"] for r in steady]
+    top = max(set(slowest), key=slowest.count)  # the rank the others waited for in most windows
+    its = [r for r in steady if r["slowest_rank"] == top]
+    own = 1e3 * sum(r["slowest_rank_compute_s"] for r in its) / max(sum(r.get("window_steps", 0) for r in its), 1)
+    items = [("processes", f"{last['world_size']} ({last['strategy']})"),
+             ("slowest rank", f"rank {top}: the others waited for it in {len(its)} of {len(steady)} windows; "
+                              f"{own:.1f} ms of its own compute per step"),
+             ("real tokens per rank", f"{sum(r['rank_real_tokens_min'] for r in steady):,} to "
+              f"{sum(r['rank_real_tokens_max'] for r in steady):,} summed over the windows; the busiest rank "
+              f"{100 * max(r['rank_imbalance'] for r in steady):.1f}% above an even share at worst, "
+              f"{100 * sum(r['rank_imbalance'] for r in steady) / len(steady):.1f}% on average"),
+             ("waiting for slower ranks", ms("collective_wait_s_mean") and
+              f"{ms('collective_wait_s_mean')} on the mean rank; at most "
+              f"{1e3 * sum(r['collective_wait_s_max'] for r in steady) / steps:.2f} ms per step on one rank"),
+             ("communication, exposed", ms("comm_exposed_s") or last.get("comm_measured", "not measured")),
+             ("communication, overlapped", ms("comm_overlapped_s") or "not measured"),
+             ("communication alone", f"{1e3 * last['comm_serial_s_per_step']:.2f} ms per step: "
+              f"{last['comm_bytes_per_step'] / 2 ** 20:,.1f} MiB at the bandwidth measured at the log points"),
+             ("how measured", last.get("comm_measured"))]
+    table = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in items if v)
+    return (f'<table>{table}</table><p class="sub">over {len(steady)} logged windows, {steps} steps (the warm-up '
+            "step's window left out); metrics.jsonl holds each window's numbers</p>"
+            + _figure_html("Communication and waiting per step", png if png is not None else plot_ranks(run)))
+
+
 def plot_gap(gap: dict) -> bytes:
     """The waterfall (the ceiling for the user's lengths, when gap.json has it, as an outlined bar before the
     baseline; the baseline; one floating bar per measured step, its delta; the final bar) and, below it, each
@@ -466,7 +538,8 @@ def plots_of(run: Run) -> dict[str, bytes | None]:
             "grad_norm": plot_grad_norm(run) if grad_norms else None,
             "tokens_per_s": plot_tokens_per_s(run, throughput(run)["steady"]) if run.train else None,
             "gpu": plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
-            "gap": plot_gap(run.gap) if run.gap else None}
+            "gap": plot_gap(run.gap) if run.gap else None,
+            "ranks": plot_ranks(run) if rank_records(run) else None}
 
 
 def time_bars(totals: dict[str, float], title: str) -> str:
@@ -529,6 +602,8 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
     gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap, plots['gap'])}" if run.gap else ""
+    ranks_html = (f"<h2>Ranks and communication</h2>{ranks_section(run, plots.get('ranks'))}"
+                  if rank_records(run) else "")
     eval_html = f"<h2>Evaluations (gapless eval)</h2>{eval_section(run.evals)}" if run.evals else ""
 
     env = run.environment[-1] if run.environment else {}
@@ -548,6 +623,7 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
 <h2>Run config</h2><div class="config">{config_html}</div>
 <h2>Training</h2><div class="grid">{''.join(figures)}</div>
 <h2>Time accounting</h2>{time_html}
+{ranks_html}
 {eval_html}
 {gap_html}
 </main></body></html>

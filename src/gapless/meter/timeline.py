@@ -9,6 +9,8 @@ Each second of wall time since the timeline started belongs to exactly one categ
     checkpoint  the loop stalled by a checkpoint: the snapshot and waiting for the previous write
     eval        evaluation on the held-out split
     logging     reading the metrics and writing them
+    communication  several processes (torchrun): collectives not hidden under this rank's compute, and waiting
+                in them for slower ranks (moved out of compute at each log point: gapless.train.parallel)
     other       everything not inside a phase
 
 The host timeline is a list of phases on `time.perf_counter`. Time inside nested phases belongs to the
@@ -70,10 +72,11 @@ from contextlib import contextmanager
 
 import torch
 
-CATEGORIES = ("startup", "compute", "data_wait", "h2d_copy", "checkpoint", "eval", "logging", "other")
+CATEGORIES = ("startup", "compute", "data_wait", "h2d_copy", "checkpoint", "eval", "logging", "communication",
+              "other")
 LABELS = {"startup": "startup", "compute": "compute", "data_wait": "waiting for data",
           "h2d_copy": "host-to-device copy", "checkpoint": "checkpoint stall", "eval": "evaluation",
-          "logging": "logging", "other": "other"}
+          "logging": "logging", "communication": "communication and waiting for ranks", "other": "other"}
 GPU_TIMED = "compute"  # the phase whose GPU intervals are measured with CUDA events
 
 
@@ -168,6 +171,14 @@ class Timeline:
         for category, seconds in move_overlaps(self._segments, busy, GPU_TIMED).items():
             self.totals[category] += seconds
         self._segments, self._gpu = [], []
+
+    def move(self, source: str, to: str, seconds: float) -> None:
+        """Charge `seconds` already counted in `source` to `to` instead: time that a phase held but that was spent
+        otherwise, measured apart (the exposed communication inside compute steps). Call it after settle(), where
+        the GPU's seconds are in place; at most what `source` holds moves."""
+        seconds = min(max(seconds, 0.0), self.totals[source])
+        self.totals[source] -= seconds
+        self.totals[to] += seconds
 
     # -- reading
 

@@ -23,13 +23,14 @@ class ThroughputWindow:
 
     def start(self, compute_s: float) -> None:
         """A new window from now; `compute_s`: the timeline's compute seconds so far."""
-        self.real = self.trained = self.slots = 0
+        self.real = self.trained = self.slots = self.steps = 0
         self.flops = 0.0
         self.timed_real, self.timed_flops = 0, 0.0  # the steps after the warm-up step
         self.t_window = self.t_timed = self.clock()
         self.compute_mark = compute_s
 
     def add(self, real: int, trained: int, slots: int, flops: float, warmup: bool) -> None:
+        self.steps += 1  # optimizer steps
         self.real += real
         self.trained += trained
         self.slots += slots

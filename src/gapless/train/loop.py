@@ -375,6 +375,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             with timeline.phase("data_wait"):
                 micro = [batches.next() for _ in range(k)]  # already on the device
             warmup = steps_this_run == 0  # the first step compiles kernels and fills the allocator's cache
+            if run.parallel.comm_clock is not None:  # DDP: which timeline phase this step's all-reduce tail is in
+                run.parallel.comm_clock.phase = "startup" if warmup else "compute"
             with timeline.phase("startup" if warmup else "compute"):
                 start = min(rows, max(b.input_ids.shape[0] for b in micro))
                 n_step = loss_divisor(micro, run.parallel)  # several ranks: the global step's tokens / ranks
@@ -429,9 +431,10 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 if run.scaler is not None:  # SYNC: read with the loss, once per log_every steps
                     record |= {"loss_scale": run.scaler.scale.item(), "skipped_steps": int(run.scaler.skipped.item())}
                 # several ranks: the loss over all of them, each rank's tokens and times (gapless.train.parallel)
+                # and the communication: exposed, overlapped, waiting for ranks (moved to the timeline's category)
                 record.update(aggregate(run.parallel, device, window_loss, window.trained, window.real,
-                                        timeline.summary()["compute"] - window.compute_mark,
-                                        time.perf_counter() - window.t_window))
+                                        timeline.summary()["compute"] - window.compute_mark, window.t_window,
+                                        window.steps, timeline))
                 metrics.write(record)
                 result.losses[step] = loss_mean = record["loss"]
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])

@@ -22,6 +22,31 @@ trained tokens N (gapless.train.step); with W ranks each rank divides its own lo
 trained tokens of the whole global step, counted on the host from the global plan (gapless.data.sharding): the
 average over ranks of sum_rank(loss) * W / N is sum_all(loss) / N, the 1-process gradient. No collective counts N.
 
+The meter, per rank and aggregated (`aggregate`, at log points only; nothing here adds a host sync to a step):
+  tail_r     DDP, each optimizer step on rank r: from the moment its last gradient bucket is ready (the end of the
+             rank's own backward compute for the gradients DDP reduces) to the moment the last bucket's all-reduce
+             is done (the gradients are ready for the optimizer). `CommClock`, a comm hook that wraps torch's
+             default all-reduce hook (same result), takes both marks: host clock readings on the CPU (gloo runs
+             the all-reduce in its own threads), CUDA events on the GPU (the ready mark on the backward's stream,
+             the done marks in the future's callbacks, whose streams wait for NCCL's kernels), read after the log
+             point's settle.
+  exposed    per step, min over ranks of tail_r: the all-reduce ends at one moment on every rank, so the rank whose
+             backward finished last waited for no one, and its tail is communication that compute did not hide.
+             comm_exposed_s is its sum over the window's steps.
+  waiting    rank r waited for slower ranks for tail_r - exposed in each step (their backward still ran), plus its
+             wait in the log point's barrier; collective_wait_s_max/mean are the max and mean over ranks.
+  overlapped comm_total_s - comm_exposed_s (floored at 0), comm_total_s being the window's steps times what the
+             step's traffic takes alone (`probe_allreduce`: Dist.comm_bytes at the bandwidth measured at the log
+             point): the communication that ran while compute went on.
+  slowest    the rank that waited the least over the window (every other rank waited for it), and its own compute
+             (its compute seconds minus its tails). Under FSDP2 its waiting is the barrier's alone: the rank last at
+             the log point.
+FSDP2 all-gathers and reduce-scatters inside its own hooks, interleaved with compute, with no hook to time them:
+there comm_exposed_s and comm_overlapped_s are null and `comm_measured` says so; the waiting counts the barrier only.
+Tested with gloo on the CPU (tests/test_dist_comm.py). The CUDA-event marks ran only in a standalone copy of this
+hook (NCCL, one H100, world size 1, DDP over 8 Linear layers in 8 buckets: every step closed, tails of ~10 us);
+the training loop's CUDA path has not run on a GPU yet.
+
 Failures: torchrun's agent ends every rank when one exits with an error (and `gapless.cli` is wrapped in its
 `record`, so the failing rank's traceback is what torchrun reports); a rank stuck in a collective fails after
 `parallel.timeout_s` (the process group's timeout), never hangs for ever.
@@ -31,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -61,6 +87,7 @@ class Dist:
     # DDP: the trainable gradients. FSDP2: two all-gathers of the parameters (forward, and backward after the
     # forward resharded) and a float32 reduce-scatter of the trainable gradients: (2 params + grads) / 2
     comm_bytes: int = 0
+    comm_clock: CommClock | None = None  # DDP: the all-reduce tail of each step (module docstring); None otherwise
 
     @property
     def active(self) -> bool:
@@ -148,12 +175,14 @@ class Replicated(Placement):
     def finish(self, model: nn.Module) -> nn.Module:
         from torch.distributed._composable.replicate import replicate
 
+        self.run.comm_clock = CommClock(self.device)
         # bucketed all-reduce of the parameters that require grad (DDP skips frozen ones), overlapped with backward;
         # every trainable parameter gets a gradient every step, so find_unused_parameters stays off (it would walk
         # the autograd graph after every forward); gradient_as_bucket_view: the grads live in the buckets (no copy)
         self.run.comm_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         replicate(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   bucket_cap_mb=self.cfg.bucket_mb, find_unused_parameters=False, gradient_as_bucket_view=True)
+        model.register_comm_hook(None, self.run.comm_clock.hook)  # torch's all-reduce, timed (module docstring)
         return model
 
 
@@ -268,48 +297,128 @@ def loss_divisor(micro, run: Dist) -> float | None:
     return max(sum(b.global_target_tokens for b in micro), 1) / run.world_size
 
 
-def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: int, real: int, compute_s: float,
-              step_s: float) -> dict:
-    """At a log point (not per step): every rank's window numbers gathered, as fields of the metrics record.
+class CommClock:
+    """DDP's comm hook: torch's default all-reduce of each gradient bucket, with two marks per optimizer step (the
+    module docstring's tail_r): when the step's last bucket is ready, and when the last all-reduce is done. Marks
+    are host clock readings on the CPU, CUDA events on the GPU (no sync: read after the log point's settle). The
+    hook runs once per bucket (a few per step for LoRA), its marks cost microseconds."""
 
-    `wait_s` is how long this rank waited in a barrier for the slowest rank to reach the log point, the time lost
-    to ranks running unequal work (ragged batches, a slow GPU); the gather after it costs microseconds. Returns
-    the global loss (the sum over ranks over the global trained tokens) and the spread per rank."""
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.phase = "compute"  # the timeline phase the loop runs the next step in ("startup" for the warm-up step)
+        self._lock = threading.Lock()  # gloo runs the done callbacks on its own threads
+        self._pending, self._ready, self._done = 0, None, []
+        self._steps: list[tuple[str, object, list]] = []  # (phase, ready mark, done marks) of each finished step
+
+    def _mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def hook(self, process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        with self._lock:
+            self._pending += 1
+            if bucket.is_last():  # DDP launches buckets in order: the last one is launched once every one is ready
+                self._ready = self._mark()
+
+        def done(fut):
+            with self._lock:  # a step ends when its last bucket is launched and every bucket's all-reduce is done
+                self._done.append(self._mark())
+                self._pending -= 1
+                if self._pending == 0 and self._ready is not None:
+                    self._steps.append((self.phase, self._ready, self._done))
+                    self._pending, self._ready, self._done = 0, None, []
+            return fut.value()
+
+        return allreduce_hook(process_group, bucket).then(done)
+
+    def take(self) -> list[tuple[str, float]]:
+        """(phase, tail seconds) of each step finished since the last take, in order."""
+        with self._lock:
+            steps, self._steps = self._steps, []
+        if self.device.type == "cuda":  # the events are complete: the loop settled before its log point
+            return [(phase, max(ready.elapsed_time(d) for d in done) / 1e3) for phase, ready, done in steps]
+        return [(phase, max(done) - ready) for phase, ready, done in steps]
+
+
+def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: int, real: int, compute_s: float,
+              t_window: float, steps: int, timeline) -> dict:
+    """At a log point (not per step): every rank's window numbers gathered, as fields of the metrics record (the
+    module docstring defines them). `compute_s`: this rank's compute seconds in the window; `t_window`: the
+    perf_counter reading at its start; `steps`: its optimizer steps. `timeline`: this rank's; the barrier is
+    charged to "communication", and so are this rank's per-step tails, out of the phase each step ran in
+    (compute; the warm-up step's stay startup). Returns the global loss (the sum over ranks over the global
+    trained tokens) and the spread per rank."""
     if not run.active:
         return {}
     start = time.perf_counter()
-    dist.barrier()  # SYNC: once per log point
+    with timeline.phase("communication"):
+        dist.barrier()  # SYNC: once per log point
     wait = time.perf_counter() - start
+    step_s = time.perf_counter() - t_window
     comm = probe_allreduce(run, device)
-    mine = torch.tensor([float(loss_sum), trained, real, compute_s, step_s, wait, comm], dtype=torch.float64,
-                        device=device)
-    every = [torch.empty_like(mine) for _ in range(run.world_size)]
-    dist.all_gather(every, mine)
-    ranks = torch.stack(every).cpu()  # [world, 7]
+    tails = run.comm_clock.take() if run.comm_clock is not None else None
+    mine = torch.tensor([float(loss_sum), trained, real, compute_s, step_s, wait, comm,
+                         -1 if tails is None else len(tails)], dtype=torch.float64, device=device)
+    ranks = _gather(run, mine)  # [world, 8]
     loss, trained_all, real_all = ranks[:, 0].sum().item(), ranks[:, 1].sum().item(), ranks[:, 2]
-    compute, steps, waits = ranks[:, 3], ranks[:, 4], ranks[:, 5]
+    compute, windows, waits = ranks[:, 3], ranks[:, 4], ranks[:, 5].clone()
+    comm_total = ranks[:, 6].max().item() * steps
+    exposed = own = None
+    if tails is not None:
+        assert (ranks[:, 7] == len(tails)).all(), f"ranks timed different numbers of steps: {ranks[:, 7].tolist()}"
+        every = _gather(run, torch.tensor([t for _, t in tails], dtype=torch.float64, device=device))  # [world, n]
+        per_step = every.min(dim=0).values  # [n]: the exposed communication of each step
+        exposed = per_step.sum().item()
+        waits += (every - per_step).sum(dim=1)
+        in_compute = torch.tensor([phase == "compute" for phase, _ in tails], dtype=torch.float64)
+        own = compute - (every * in_compute).sum(dim=1)  # compute_s holds the compute phases' tails only
+        timeline.move("compute", "communication", sum(t for phase, t in tails if phase == "compute"))
+    slowest = int(waits.argmin().item())  # the rank the others waited for: it waited the least
     return {
         "loss": loss / max(trained_all, 1),
         "world_size": run.world_size,
         "strategy": run.strategy,
+        "window_steps": steps,
         "global_real_tokens": int(real_all.sum().item()),
         # the record's tokens_per_s is rank 0's; this is every rank's real tokens over the slowest rank's window
-        "global_tokens_per_s": real_all.sum().item() / max(steps.max().item(), 1e-9),
+        "global_tokens_per_s": real_all.sum().item() / max(windows.max().item(), 1e-9),
         # real tokens per rank over the window: equal work needs equal tokens, not equal rows
         "rank_real_tokens_min": int(real_all.min().item()),
         "rank_real_tokens_max": int(real_all.max().item()),
         "rank_imbalance": (real_all.max() / real_all.clamp(min=1).mean()).item() - 1.0,
-        "rank_compute_s_max": compute.max().item(),  # the slowest rank sets every rank's pace
+        "rank_compute_s_max": compute.max().item(),  # each rank's compute phases (DDP: its all-reduce tails in them)
         "rank_compute_s_min": compute.min().item(),
-        "rank_step_s_max": steps.max().item(),
-        # communication: time ranks sat in the log point's barrier waiting for the slowest (exposed waiting)
+        "rank_step_s_max": windows.max().item(),  # the window's seconds, to the end of the log point's barrier
+        # the rank every other waits for, and its own compute (without its tails; FSDP2: with them; 0 in the window
+        # of the warm-up step alone, which is startup)
+        "slowest_rank": slowest,
+        "slowest_rank_compute_s": (own if own is not None else compute)[slowest].item(),
+        # time ranks waited for slower ones: in each step's all-reduce (DDP) and in the log point's barrier
         "collective_wait_s_max": waits.max().item(),
         "collective_wait_s_mean": waits.mean().item(),
+        # communication: exposed (not hidden under compute) and overlapped, over the window (module docstring)
+        "comm_measured": ("ddp comm hook: the all-reduce tail after each rank's backward" if exposed is not None else
+                          "not measured: FSDP2 runs its collectives inside its own hooks, untimed"),
+        "comm_exposed_s": exposed,
+        "comm_total_s": comm_total,
+        "comm_overlapped_s": max(comm_total - exposed, 0.0) if exposed is not None else None,
         # what one step's communication would take alone, not overlapped with compute (an all-reduce probe scaled
-        # to Dist.comm_bytes); beside the measured step time it bounds how much of it is hidden under compute
+        # to Dist.comm_bytes)
         "comm_bytes_per_step": run.comm_bytes,
         "comm_serial_s_per_step": ranks[:, 6].max().item(),
     }
+
+
+def _gather(run: Dist, mine: torch.Tensor) -> torch.Tensor:
+    """[world, *mine.shape]: every rank's `mine` (the same shape on each), on the host."""
+    every = [torch.empty_like(mine) for _ in range(run.world_size)]
+    dist.all_gather(every, mine)
+    return torch.stack(every).cpu()
 
 
 PROBE_BYTES = 64 << 20  # large enough for the bus bandwidth plateau on NVLink (nccl-tests reach it past ~32 MB)
