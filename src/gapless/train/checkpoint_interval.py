@@ -17,6 +17,9 @@ How the numbers are had, in the loop (gapless.train.loop):
            manager: trainable weights, the optimizer state, float32 masters) at the stated bandwidths below; after
            the first real save, re-resolved from the time that save blocked the loop (an upper bound of later
            saves: the first one also allocates the pinned host buffers).
+  write_s  async only: predicted likewise; when a later save waits for the previous write long enough to take the
+           cost over 1%, the write took at least the interval plus that wait, and the interval is re-resolved from
+           that (a disk slower than the stated rate).
 Until the interval is chosen (the warm-up step and MEASURE_STEPS more) no save happens, but the last step of the
 run always saves, as with a fixed interval: a run shorter than that gets exactly one checkpoint, at its end.
 Under torchrun every rank must save at the same steps (a save is collective): the numbers are the maximum over the
@@ -30,7 +33,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 SHARE = 0.01  # what checkpoints may cost: 1% of the training time
-MEASURE_STEPS = 3  # optimizer steps timed after the warm-up step before the interval is chosen
+# optimizer steps timed after the warm-up step before the interval is chosen: the time is settled on the GPU at both
+# ends (the device's, not the host's queueing), so a few steps suffice, and a 100-step run has its interval at step 4
+MEASURE_STEPS = 3
 MIN_EVERY = 10  # never more often: a crash then loses at most a few seconds, and the disk is not rewritten each step
 # Stated, not measured here. The loop's wait at an async save: the device-to-host copy, 10 GB/s (pageable copies
 # run below PCIe 4.0/5.0's 32/64 GB/s per direction; a CPU tensor's memcpy is faster). The write: torch.save
@@ -62,8 +67,9 @@ class Interval:
         return f"every = max({', '.join(terms)}, {MIN_EVERY}) = {self.every}"
 
     def message(self) -> str:
+        share = f"{self.share:.2%}" if self.share >= 1e-4 else "under 0.01%"
         return (f"checkpoint.every auto: {self.every} steps ({self.step_s:.3g} s per step, start-up excluded; a save "
-                f"blocks {self.save_s:.3g} s, {self.source}; {self.formula()}): {self.share:.2%} of the training time")
+                f"blocks {self.save_s:.3g} s, {self.source}; {self.formula()}): {share} of the training time")
 
     def record(self, step: int) -> dict:
         """The metrics.jsonl record (`kind` checkpoint_interval): it applies from `step` on."""
@@ -139,6 +145,17 @@ class CheckpointSchedule:
         if new.every == c.every:
             return None
         return self._set(new)
+
+    def waited(self, step: int, waited_s: float) -> Interval | None:
+        """After a later save of an auto run with async_write, which waited `waited_s` for the previous write: when
+        that takes the cost over SHARE, the interval from a write of at least (every x step_s + waited_s)."""
+        c = self.chosen
+        assert c is not None and self.async_write
+        if (c.save_s + waited_s) / (c.every * c.step_s) <= SHARE:
+            return None
+        return self._set(choose_interval(c.step_s, c.save_s, c.every * c.step_s + waited_s, c.nbytes,
+                                         f"measured: the save of step {step} waited {waited_s:.3g} s for the "
+                                         "previous write"))
 
     def _set(self, interval: Interval) -> Interval:
         self.chosen, self.every = interval, interval.every

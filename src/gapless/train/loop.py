@@ -331,8 +331,9 @@ def checkpoint_tensors(run: Run) -> dict:
 
 
 def checkpoint_due(run: Run, schedule: CheckpointSchedule, step: int, batches: Prefetcher, metrics) -> bool:
-    """Save `step` when the schedule says so; True when saved. The first save of checkpoint.every auto is timed
-    and re-resolves the interval from what it blocked the loop (gapless.train.checkpoint_interval)."""
+    """Save `step` when the schedule says so; True when saved. checkpoint.every auto re-resolves its interval from
+    what its first save blocked the loop, and from a later async save's wait for the previous write
+    (gapless.train.checkpoint_interval)."""
     if not schedule.due(step):
         return False
     measure = schedule.chosen is not None and not schedule.remeasured
@@ -340,13 +341,19 @@ def checkpoint_due(run: Run, schedule: CheckpointSchedule, step: int, batches: P
         run.timeline.settle()  # SYNC: once per run, so that the time below is the save's alone
     start = time.perf_counter()
     saved = save_checkpoint(run, step, batches)
+    interval = None
     if measure and saved:
         run.timeline.settle("checkpoint")  # SYNC: once per run; an async save's device-to-host copies finish
         (blocked,) = max_over_ranks(run.parallel, run.device, [time.perf_counter() - start])
         interval = schedule.remeasure(step, blocked)
-        if interval is not None:
-            write_metrics(metrics, interval.record(step))
-            run.progress.message(interval.message())
+    elif schedule.chosen is not None and schedule.async_write and saved:
+        # the host's wait for the previous write, measured by the manager; every rank's slowest (a collective
+        # beside the save's own)
+        (waited,) = max_over_ranks(run.parallel, run.device, [run.checkpoints.last_stall_seconds])
+        interval = schedule.waited(step, waited)
+    if interval is not None:
+        write_metrics(metrics, interval.record(step))
+        run.progress.message(interval.message())
     return saved
 
 
