@@ -36,11 +36,14 @@ SHARE = 0.01  # what checkpoints may cost: 1% of the training time
 # optimizer steps timed after the warm-up step before the interval is chosen: the time is settled on the GPU at both
 # ends (the device's, not the host's queueing), so a few steps suffice, and a 100-step run has its interval at step 4
 MEASURE_STEPS = 3
-MIN_EVERY = 10  # never more often: a crash then loses at most a few seconds, and the disk is not rewritten each step
+# never more often: a cheap (LoRA) checkpoint saved every step or two buys little (a crash loses at most 10 steps
+# anyway) and keeps the disk and the writer thread busy all run
+MIN_EVERY = 10
 # Stated, not measured here. The loop's wait at an async save: the device-to-host copy, 10 GB/s (pageable copies
 # run below PCIe 4.0/5.0's 32/64 GB/s per direction; a CPU tensor's memcpy is faster). The write: torch.save
 # through sha256 and an fsync, 0.5 GB/s (a local NVMe writes 2-7 GB/s; network file systems and sha256's ~1 GB/s
-# single-threaded rate less). The first save's measured blocking time replaces both.
+# single-threaded rate less). The first save's measured blocking time replaces the first; a later save's wait for
+# the previous write corrects the second.
 HOST_COPY_GBS = 10.0
 DISK_WRITE_GBS = 0.5
 
