@@ -319,7 +319,7 @@ def max_over_ranks(run: Dist, device: torch.device, values: list[float]) -> list
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()  # SYNC: where it is called, once or twice per run
+    return t.tolist()  # SYNC: checkpoint.every auto calls it once per run and at its saves, never per step
 
 
 PROBE_BYTES = 64 << 20  # large enough for the bus bandwidth plateau on NVLink (nccl-tests reach it past ~32 MB)
