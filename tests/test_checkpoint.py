@@ -460,5 +460,8 @@ def test_checkpoint_config_validation():
     assert from_dict(CheckpointConfig, {"every": 100, "keep": 3}, "checkpoint").async_write is True
     with pytest.raises(ValueError, match="checkpoint.keep: must be >= 1"):
         from_dict(CheckpointConfig, {"keep": 0}, "checkpoint")
-    with pytest.raises(ValueError, match="checkpoint.every: must be >= 0"):
+    with pytest.raises(ValueError, match="checkpoint.every: must be auto or an integer >= 0"):
         from_dict(CheckpointConfig, {"every": -5}, "checkpoint")
+    with pytest.raises(ValueError, match=re.escape("checkpoint.every: 'sometimes' matches none of int | 'auto'")):
+        from_dict(CheckpointConfig, {"every": "sometimes"}, "checkpoint")
+    assert CheckpointConfig().every == from_dict(CheckpointConfig, {"every": "auto"}, "checkpoint").every == "auto"

@@ -37,7 +37,7 @@ def test_shipped_examples_parse():
 def test_minimal_config_defaults():
     cfg = config()
     assert cfg.method == "lora" and cfg.lora.r == 16 and cfg.train.grad_accum == 1
-    assert cfg.data.sources[0].format == "auto" and cfg.checkpoint.every == 0 and not cfg.resume
+    assert cfg.data.sources[0].format == "auto" and cfg.checkpoint.every == "auto" and not cfg.resume
 
 
 def test_dotted_overrides():
@@ -109,6 +109,7 @@ MISTAKES = [
     (["schedule.warmup_steps=-10"], ["config.schedule.warmup_steps", ">= 0"]),
     (["schedule.warmup_steps=10", "schedule.warmup_ratio=0.1"], ["config.schedule", "both set"]),
     (["checkpoint.every=-1"], ["config.checkpoint.every", ">= 0"]),
+    (["checkpoint.every=sometimes"], ["config.checkpoint.every", "'sometimes'", "'auto'"]),
     (["checkpoint.keep=0"], ["config.checkpoint.keep", ">= 1"]),
     (["data.max_seq_len=1"], ["config.data.max_seq_len", "at least 2"]),
     (["data.tokens_per_batch=100", "data.max_seq_len=4096"], ["config.data.tokens_per_batch", "max_seq_len"]),
@@ -168,7 +169,7 @@ def test_errors_name_the_file(tmp_path):
 
 def test_ignored_settings_warn():
     with pytest.warns(UserWarning, match="checkpoint.every is 0"):
-        config(["resume=true"])
+        config(["resume=true", "checkpoint.every=0"])
     with pytest.warns(UserWarning, match="min_lr_ratio=0.1 is ignored"):
         config(["schedule.kind=constant", "schedule.min_lr_ratio=0.1"])
 

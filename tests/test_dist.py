@@ -105,10 +105,11 @@ def runs(base):
     single = raw_config(base, "single")
     ref = train(load_config(data=single["raw"], overrides=single["overrides"]))
     full = {w: raw_config(base, f"full{w}", method="full", **{"optim.lr": 1e-3}) for w in (0, 2)}  # 0: no torchrun
+    auto = raw_config(base, "auto2", **{"checkpoint.every": "auto", "train.steps": 12})
     full_ref = train(load_config(data=full[0]["raw"], overrides=full[0]["overrides"]))
     run_ranks(1, [("run", stopped[1], 2)])
     run_ranks(2, [("run", spec["ddp", 2], None), ("run", spec["fsdp", 2], None), ("run", stopped[2], 2),
-                  ("run", full[2], None)])
+                  ("run", full[2], None), ("run", auto, None)])
     resume = {(2, 3): resumed(base, stopped[2], "2to3"), (1, 3): resumed(base, stopped[1], "1to3", "ddp"),
               (2, 1): resumed(base, stopped[2], "2to1"), (2, 0): resumed(base, stopped[2], "2to0")}
     run_ranks(3, [("run", spec["ddp", 3], None), ("run", spec["fsdp", 3], None),
@@ -117,7 +118,8 @@ def runs(base):
     plain = resume[2, 0]  # no torchrun: DCP reads the shards back into one unsharded model
     Path(plain["raw"]["output_dir"], "losses-run.json").write_text(json.dumps(
         train(load_config(data=plain["raw"], overrides=plain["overrides"])).losses))
-    return {"single": ref, "spec": spec, "stopped": stopped, "resume": resume, "full": full, "full_ref": full_ref}
+    return {"single": ref, "spec": spec, "stopped": stopped, "resume": resume, "full": full, "full_ref": full_ref,
+            "auto": auto}
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -152,6 +154,24 @@ def test_full_fine_tuning_shards_by_default(runs):
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got, ref)
+
+
+def test_auto_checkpoint_interval_is_agreed_by_every_rank(runs):
+    """checkpoint.every auto at 2 ranks: chosen at step 4 from numbers every rank shares (the maximum over them), so
+    both save at the same steps (a save is collective: ranks that disagreed would hang); a tiny LoRA's save is
+    predicted cheap: the floor of 10 steps, then the save of step 10 is timed (collectively) and the last step saves."""
+    from gapless.meter.report import checkpoint_steps, read_run
+    from gapless.train.checkpoint_interval import MIN_EVERY
+
+    out = Path(runs["auto"]["raw"]["output_dir"])
+    chosen = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("kind") == "checkpoint_interval"]
+    assert chosen[0]["step"] == 4 and chosen[0]["every"] == MIN_EVERY == 10, chosen
+    steps = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*"))
+    assert steps == [10, 12] == checkpoint_steps(read_run(out))
+    for step in steps:
+        manifest = json.loads((out / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
+        assert manifest["writer"] == "dcp" and manifest["world_size"] == 2
+    assert sorted(losses(runs["auto"], "run")) == list(range(1, 13)) and (out / "adapter").is_dir()
 
 
 @pytest.mark.parametrize("saved,resumed_at", [(2, 3), (2, 1), (1, 3), (2, 0)])

@@ -211,6 +211,19 @@ def test_checkpoint_interval_against_step_and_write_time(demo):
     assert "not predicted" in d.check_checkpoint(ok, None, 50_000_000, 100e6, 1000)[0].detail
 
 
+def test_checkpoint_auto_is_described_not_flagged(demo):
+    # auto, sync: 50 MB written at the measured 100 MB/s = 0.5 s per save over steps of 0.2 s:
+    # ceil(0.5 / (0.01 x 0.2)) = 250 steps, 1.00% of the run; the doctor says so and flags nothing
+    cfg = cfg_of(demo, "checkpoint.every=auto", "checkpoint.async_write=false")
+    (f,) = d.check_checkpoint(cfg, 0.2, 50_000_000, 100e6, 1000)
+    assert f.severity == "ok" and "checkpoint.every auto: predicted every 250 steps" in f.detail and not f.fix
+    # async: the loop waits for the 5 ms copy; the 0.5 s write must end before the next save: max(3, 3, 10) = 10
+    (f,) = d.check_checkpoint(cfg_of(demo, "checkpoint.every=auto"), 0.2, 50_000_000, 100e6, 1000)
+    assert f.severity == "ok" and "every 10 steps" in f.detail
+    (f,) = d.check_checkpoint(cfg, None, 50_000_000, 100e6, 1000)
+    assert f.severity == "info" and "the run measures its step time" in f.detail
+
+
 def test_logging_every_step(demo):
     (f,) = d.check_logging(cfg_of(demo, "train.log_every=1"))
     assert f.severity == "warning" and f.cost.startswith("1.0%") and f.fix == "train.log_every: 10"

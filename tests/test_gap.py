@@ -178,6 +178,23 @@ def test_ceiling_in_the_measurement(measured):
     assert "ceiling, your lengths" in (measured["out"] / "gap.html").read_text()
 
 
+def test_checkpoint_auto_is_amortised_at_the_interval_auto_chooses(config, one_thread, tmp_path):
+    """checkpoint.every auto: the window saves at a fixed interval to measure the stall, and the stall is amortised
+    over the interval auto chooses from that stall and the stage's step time (gapless.train.checkpoint_interval)."""
+    from gapless.train.checkpoint_interval import MIN_EVERY
+
+    raw = {**config["raw"], "checkpoint": {"every": "auto"}, "output_dir": str(tmp_path / "run")}
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    gap = run_gap(path, steps=4, out=tmp_path / "gap", stream=io.StringIO(), log=lambda text: None)
+    by = {s["factor"]: s for s in gap["steps"]}
+    row = by["checkpoints"]
+    every = int(re.fullmatch(r"checkpoint.every: auto \((\d+) steps here\)", row["setting"]).group(1))
+    assert every >= MIN_EVERY and row["note"].endswith(f"over {every} steps") and row["fix"] == ""
+    # stall / (every x step_s) <= 1% of the stage before's step time: tokens/s falls by at most 1 / 1.01
+    assert by["logging"]["tokens_per_s"] / 1.01 <= row["tokens_per_s"] <= by["logging"]["tokens_per_s"]
+
+
 def test_gap_files_and_report(measured):
     out = measured["out"]
     gap = read_gap(out / "gap.json")

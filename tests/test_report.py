@@ -243,3 +243,18 @@ def test_tensorboard_optional(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ValueError, match=r"--tensorboard: .*pip install 'gapless\[tensorboard\]'"):
         write_tensorboard(run)
+
+
+def test_checkpoint_steps_follow_auto_choices():
+    """checkpoint.every auto: the steps come from metrics.jsonl's checkpoint_interval records (chosen at step 4, 10;
+    re-resolved at the first save, 10, to 25), plus the last step; a fixed interval from the config."""
+    from gapless.meter.report import Run, checkpoint_steps
+
+    train = [{"step": s} for s in range(1, 61)]
+    auto = Run(Path("."), {"checkpoint": {"every": "auto"}}, train=train,
+               intervals=[{"step": 4, "every": 10}, {"step": 10, "every": 25}])
+    assert checkpoint_steps(auto) == [10, 25, 50, 60]
+    short = Run(Path("."), {"checkpoint": {"every": "auto"}}, train=train[:3], intervals=[{"step": 0, "every": None}])
+    assert checkpoint_steps(short) == [3]
+    assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 20}}, train=train)) == [20, 40, 60]
+    assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 0}}, train=train)) == []

@@ -83,7 +83,7 @@ def test_resume_names_every_changed_field():
 
 def test_resume_may_change_length_logging_and_evaluation():
     saved, new = saved_and_new("train.steps=500", "train.log_every=5", "checkpoint.every=50", "resume=true")
-    assert check_resume(saved, new) == {"checkpoint.every": (0, 50), "resume": (False, True),
+    assert check_resume(saved, new) == {"checkpoint.every": ("auto", 50), "resume": (False, True),
                                         "train.log_every": (10, 5), "train.steps": (0, 500)}
 
 

@@ -44,10 +44,9 @@ TF32_VS_BF16 = 494 / 989
 PADDING_NOISE = 0.02  # a batching that pads 2 points more than packing would is worth a warning
 CHECKPOINT_SHARE = 0.01  # a checkpoint interval whose stalls cost more than 1% of the run gets a fix
 WRITE_PROBE_BYTES = 64 << 20  # bytes written (and fsynced) to measure the output folder's write speed
-# What the loop waits for at an async checkpoint: the device-to-host copy, at an assumed 10 GB/s (pageable copies
-# run below PCIe 4.0/5.0's 32/64 GB/s per direction; not measured here). The background write overlaps training.
-# LoRA checkpoints are tens of MB (3B r16: 24.3 M float32 x 3 = 292 MB), so the figure matters little.
-H2D_GBS = 10.0
+# What the loop waits for at an async checkpoint is the device-to-host copy, at the rate checkpoint.every auto
+# assumes too (gapless.train.checkpoint_interval.HOST_COPY_GBS); the background write overlaps training. LoRA
+# checkpoints are tens of MB (3B r16: 24.3 M float32 x 3 = 292 MB), so the figure matters little.
 
 # NCCL variables a user sets, what each does; the ones that turn a fast path off are warnings
 NCCL_VARS = {
@@ -532,12 +531,22 @@ def check_checkpoint(cfg: RunConfig, step_s: float | None, ckpt_bytes: int, writ
                   (f"; the run is predicted at {run_s / 3600:.1f} h" if run_s else ""),
                   "a crash loses the whole run" if long else "",
                   f"checkpoint.every: {max(1, steps // 10)}" if steps else "checkpoint.every: 500")
+    from gapless.train.checkpoint_interval import HOST_COPY_GBS, MIN_EVERY, SHARE, choose_interval
+
     write_s = ckpt_bytes / write_bps if write_bps else None
-    stall = ckpt_bytes / (H2D_GBS * 1e9) if c.async_write else write_s
+    stall = ckpt_bytes / (HOST_COPY_GBS * 1e9) if c.async_write else write_s
     if step_s is None or stall is None:
         return _f("cfg.checkpoint", "info", f"checkpoint.every {c.every}: {_size(ckpt_bytes)} each; "
                   "step time not predicted (no GPU in the plan's table and no earlier run in output_dir), so the "
-                  "stall share is not predicted")
+                  + ("interval auto will choose is not predicted: the run measures its step time after its first "
+                     f"step and picks the interval at which saves cost {SHARE:.0%}, at least {MIN_EVERY} steps"
+                     if c.every == "auto" else "stall share is not predicted"))
+    if c.every == "auto":
+        chosen = choose_interval(step_s, stall, write_s if c.async_write else None, ckpt_bytes, "predicted")
+        detail = (f"checkpoint.every auto: predicted every {chosen.every} steps ({chosen.formula()}; steps of "
+                  f"{step_s:.2f} s, {_size(ckpt_bytes)} each, the loop waits {stall:.3f} s); the run measures its "
+                  "own numbers after its first step and records its choice in metrics.jsonl")
+        return _f("cfg.checkpoint", "ok", detail + f": {chosen.share:.2%} of the run")
     from gapless.diagnosis.gap import interval_for
 
     share = stall / (c.every * step_s)

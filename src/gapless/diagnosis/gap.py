@@ -305,6 +305,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     from gapless.data.batching import BatchSampler
     from gapless.data.pipeline import build_data
     from gapless.train.loop import resolve_auto, resolve_device, total_steps
+    from gapless.train.checkpoint_interval import choose_interval
 
     if steps < 2:
         raise ValueError(f"--steps: {steps}; a window needs at least 2 measured steps (default {DEFAULT_STEPS})")
@@ -362,7 +363,10 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
 
     # -- logging, checkpoints, evaluation and the data path: one window at the window's intervals
     logs = user.train.log_every < last
-    ckpt_every = min(user.checkpoint.every, max(2, last // 2)) if user.checkpoint.every else 0
+    # auto: the window saves at a fixed interval to measure the stall; the user's interval is auto's choice from it
+    auto_every = user.checkpoint.every == "auto"
+    ckpt_every = (0 if not user.checkpoint.every else max(2, last // 2) if auto_every
+                  else min(user.checkpoint.every, max(2, last // 2)))
     has_eval = eval_mix is not None and len(eval_mix) > 0
     run_steps = user.train.steps or total_steps(user, BatchSampler.from_config(d, mix).batches_per_epoch())
     if has_eval:  # the user's steps per evaluation: eval_every, or the whole run (one evaluation at its end)
@@ -385,14 +389,19 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                         f"(the logging phase itself: {1e3 * w.seconds['logging'] / reads:.2f} ms each)",
                         f"train.log_every: {interval_for(per_read, w.step_s)}")
 
+    every = 0
     if not user.checkpoint.every:
         stages.skipped("checkpoints", "checkpoint.every is 0: no checkpoints, as advertised")
     else:
         stall, every = w.checkpoint_stall_s, user.checkpoint.every
         fix = f"checkpoint.every: {interval_for(stall, stages.point[1])}"
+        setting = f"checkpoint.every: {every}"
+        if auto_every:  # what the run would choose from this step time and this stall (train/checkpoint_interval.py)
+            every = choose_interval(stages.point[1], stall, None, 0, "measured").every
+            setting, fix = f"checkpoint.every: auto ({every} steps here)", ""
         if not user.checkpoint.async_write:
-            fix += " or checkpoint.async_write: true"
-        stages.stall("checkpoints", f"checkpoint.every: {every}", stall, every,
+            fix += (" or " if fix else "") + "checkpoint.async_write: true"
+        stages.stall("checkpoints", setting, stall, every,
                      f"amortised: {stall:.3f} s stall per checkpoint (from {w.checkpoints} written every {ckpt_every} "
                      f"steps in the window, the last write waited for: an upper bound if async) over {every} steps",
                      fix)
@@ -435,7 +444,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
         run.model.dtype = user.model.dtype
         p = runner.window("precision", run, (mix, eval_data, summary))
         step_s = (p.step_s + p.wait_s / p.steps
-                  + (p.checkpoint_stall_s / user.checkpoint.every if user.checkpoint.every else 0.0)
+                  + (p.checkpoint_stall_s / every if every else 0.0)
                   + (p.eval_s / eval_interval if has_eval else 0.0))
         stages.measured("precision", f"model.dtype: {user.model.dtype}", (p.tokens_per_step, step_s),
                         f"the whole config in {user.model.dtype} instead of {ADVERTISED_DTYPE}, its stalls "

@@ -6,7 +6,8 @@ The report only reads files; metrics.jsonl stays the source of truth. It reads:
     metrics.jsonl   one JSON object a line: training records ({"step", "loss", "lr", "real_tokens",
                     "trained_tokens", "tokens_per_s", "elapsed_s", ...; "mfu" as a fraction of peak when
                     the loop measures it}), evaluation records ({"step", "eval_loss", ...}) and time records
-                    ({"kind": "time", ...}, see gapless.meter.timeline)
+                    ({"kind": "time", ...}, see gapless.meter.timeline), checkpoint.every auto's choices
+                    ({"kind": "checkpoint_interval", "step", "every", ...}, gapless.train.checkpoint_interval)
     gpu.jsonl       GPU samples (optional; see gapless.meter.monitor)
     gap.json        the throughput gap waterfall (optional; format below)
 
@@ -73,6 +74,7 @@ class Run:
     gap: dict | None = None
     compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
     environment: list[dict] = field(default_factory=list)  # {"kind": "environment"}: one per session
+    intervals: list[dict] = field(default_factory=list)  # {"kind": "checkpoint_interval"}: checkpoint.every auto
     evals: list[dict] = field(default_factory=list)  # eval.json: `gapless eval` records
 
 
@@ -93,6 +95,8 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
             run.compile.append(r)
         elif r.get("kind") == "environment":
             run.environment.append(r)
+        elif r.get("kind") == "checkpoint_interval":
+            run.intervals.append(r)
         elif "eval_loss" in r:
             run.eval.append(r)
         elif "loss" in r:  # a step whose loss was not finite is null in the strict JSON: a gap in the plots
@@ -172,7 +176,11 @@ def checkpoint_steps(run: Run) -> list[int]:
     last = run.train[-1]["step"] if run.train else 0
     if not every or not last:
         return []
-    steps = list(range(every, last + 1, every))
+    # (from step, interval): a fixed interval from the start; auto's choices from the steps they were made at
+    spans = [(0, every)] if every != "auto" else [(r["step"], r["every"]) for r in run.intervals if r.get("every")]
+    steps = []
+    for (start, n), (end, _) in zip(spans, [*spans[1:], (last, 0)]):
+        steps += range((start // n + 1) * n, min(end, last) + 1, n)
     return steps if steps and steps[-1] == last else [*steps, last]  # the loop also saves the last step
 
 

@@ -45,12 +45,13 @@ from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
 from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
+from gapless.train.checkpoint_interval import MEASURE_STEPS, CheckpointSchedule, tensor_bytes
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
 from gapless.train.compile import frames_not_compiled, not_compiled_message
 from gapless.train.guard import NonFinite, StopSignals, finite
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
-from gapless.train.parallel import Dist, aggregate, full_parameters, init_distributed, loss_divisor
+from gapless.train.parallel import Dist, aggregate, full_parameters, init_distributed, loss_divisor, max_over_ranks
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 from gapless.train.runlock import RunLock, check_resume, prepare_run_dir, read_saved_config
@@ -332,15 +333,56 @@ def save_checkpoint(run: Run, step: int, batches: Prefetcher) -> bool:
         run.progress.message(f"checkpoint step {step} not written: the trainable weights are not finite")
         return False
     with run.timeline.phase("checkpoint"):
-        tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
         meta = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": batches.state,
                 "rng": capture_rng_state()}
-        if run.masters.active:
-            tensors["master"] = run.masters.state_dict()
         if run.scaler is not None:
             meta["loss_scale"] = run.scaler.state_dict()  # SYNC: at checkpoint time only
-        run.checkpoints.save(step, tensors, meta)
+        run.checkpoints.save(step, checkpoint_tensors(run), meta)
     return True
+
+
+def checkpoint_tensors(run: Run) -> dict:
+    """The tensor groups of a checkpoint: the method's trainable state, the optimizer's, float32 masters."""
+    tensors = {"model": run.method.checkpoint_state(run.model), "optimizer": run.optimizer.state_dict()}
+    if run.masters.active:
+        tensors["master"] = run.masters.state_dict()
+    return tensors
+
+
+def checkpoint_due(run: Run, schedule: CheckpointSchedule, step: int, batches: Prefetcher, metrics) -> bool:
+    """Save `step` when the schedule says so; True when saved. checkpoint.every auto re-resolves its interval from
+    what its first save blocked the loop, and from a later async save's wait for the previous write
+    (gapless.train.checkpoint_interval)."""
+    if not schedule.due(step):
+        return False
+    measure = schedule.chosen is not None and not schedule.remeasured
+    if measure:
+        run.timeline.settle()  # SYNC: once per run, so that the time below is the save's alone
+    start = time.perf_counter()
+    saved = save_checkpoint(run, step, batches)
+    interval = None
+    if measure and saved:
+        run.timeline.settle("checkpoint")  # SYNC: once per run; an async save's device-to-host copies finish
+        (blocked,) = max_over_ranks(run.parallel, run.device, [time.perf_counter() - start])
+        interval = schedule.remeasure(step, blocked)
+    elif schedule.chosen is not None and schedule.async_write and saved:
+        # the host's wait for the previous write, measured by the manager; every rank's slowest (a collective
+        # beside the save's own)
+        (waited,) = max_over_ranks(run.parallel, run.device, [run.checkpoints.last_stall_seconds])
+        interval = schedule.waited(step, waited)
+    if interval is not None:
+        metrics.write(interval.record(step))
+        run.progress.message(interval.message())
+    return saved
+
+
+def choose_checkpoint_interval(run: Run, schedule: CheckpointSchedule, step: int, step_s: float, metrics) -> None:
+    """checkpoint.every auto, after the measured steps: the interval from their step time and the checkpoint's
+    bytes, the same on every rank (the maximum over them), recorded and printed once."""
+    step_s, nbytes = max_over_ranks(run.parallel, run.device, [step_s, tensor_bytes(checkpoint_tensors(run))])
+    interval = schedule.choose(step_s, int(nbytes))
+    metrics.write(interval.record(step))
+    run.progress.message(interval.message())
 
 
 def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | None,
@@ -358,6 +400,12 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     window = ThroughputWindow(run.peak_flops)
     frames_failed_before = frames_not_compiled()
     steps_this_run = 0
+    schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.checkpoint.async_write, run.steps_total)
+    if schedule.pending and run.steps_total - step <= 1 + MEASURE_STEPS:
+        why = (f"checkpoint.every auto: the run ends at step {run.steps_total}, before the interval is measured (the "
+               f"first step and {MEASURE_STEPS} more): one checkpoint, at its end")
+        metrics.write({"kind": "checkpoint_interval", "step": step, "every": None, "reason": why})
+        run.progress.message(why)
     # rows per micro-batch: the batches' rows until a CUDA OOM halves it (the same step then runs again in smaller
     # pieces with the same tokens, and the rest of the run keeps the smaller pieces: gapless.train.batch_finder)
     rows = 1 << 30  # no cap until an OOM
@@ -457,9 +505,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                     result.stopped = "nonfinite"
                     break
 
-            saved = False
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == run.steps_total):
-                saved = save_checkpoint(run, step, batches)
+            saved = checkpoint_due(run, schedule, step, batches, metrics)
+            if schedule.pending and steps_this_run == 1 + MEASURE_STEPS and step < run.steps_total:
+                # checkpoint.every auto: the steps after the warm-up one, timed; saves from the next step on
+                timeline.settle()  # SYNC: once per run; the measured steps finish on the GPU
+                now = timeline.summary()
+                busy = [now[c] - steady_mark[c] for c in ("wall", "eval", "checkpoint")]
+                choose_checkpoint_interval(run, schedule, step, (busy[0] - busy[1] - busy[2]) / MEASURE_STEPS,
+                                           metrics)
 
             if run.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
                     and step < run.steps_total:
@@ -531,7 +584,8 @@ def finish(run: Run, step: int, result: RunResult, metrics) -> None:
                 latest = sorted((run.run_dir / "checkpoints").glob("step-*"))
                 progress.message(f"{run.method.final_name} not written to {final}: {e.strerror or e}; " + (
                     f"the trained weights are in {latest[-1]}: free space, then `gapless export {latest[-1]} "
-                    "--out DIR`" if latest else "no checkpoint holds the trained weights (checkpoint.every is 0)"))
+                    "--out DIR`" if latest else "no checkpoint holds the trained weights"
+                    + (" (checkpoint.every is 0)" if run.cfg.checkpoint.every == 0 else "")))
     # The last record of metrics.jsonl is the run's: it is written once, and the console and the report print
     # its numbers (the report was written from one record and the console printed a later one: 20,464 vs 20,258
     # tok/s, 1.4 s apart). The report's plots, its slow part, are drawn before it, inside the run's clock; the

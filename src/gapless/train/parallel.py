@@ -421,6 +421,16 @@ def _gather(run: Dist, mine: torch.Tensor) -> torch.Tensor:
     return torch.stack(every).cpu()
 
 
+def max_over_ranks(run: Dist, device: torch.device, values: list[float]) -> list[float]:
+    """Each of `values`, the maximum over the ranks: numbers every rank must agree on (the checkpoint interval: a
+    save is collective). The values themselves in a single process."""
+    if not run.active:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()  # SYNC: checkpoint.every auto calls it once per run and at its saves, never per step
+
+
 PROBE_BYTES = 64 << 20  # large enough for the bus bandwidth plateau on NVLink (nccl-tests reach it past ~32 MB)
 
 
