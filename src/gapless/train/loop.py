@@ -342,11 +342,10 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     # pieces with the same tokens, and the rest of the run keeps the smaller pieces: gapless.train.batch_finder)
     rows = 1 << 30  # no cap until an OOM
     t_steady = steady_mark = None
-    if run.eval_batches and cfg.model.compile:
-        run.progress.phase("startup: compiling the evaluation graphs")
-        # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
-        # stall the first evaluation mid-run (~20 s for a 1B model on an H200)
-        evaluate(run.model, run.eval_batches[:1], device)
+    # The compiled layers' graphs without autograd (evaluation) compile when the first evaluation needs them, in its
+    # "eval" time: compiled here, before step 1, they cost every run's start-up (~20 s for a 1B model on an H200,
+    # uncached) for an evaluation that may come hundreds of steps later or only at the end; warm, inductor's cache
+    # serves them as it serves the training graphs.
     timeline.end("startup")
     run.progress.phase("startup: first step (compiles the layers, fills the allocator)" if cfg.model.compile
                        else "startup: first step")
@@ -381,7 +380,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
                 failed = frames_not_compiled() - frames_failed_before
-                if cfg.model.compile and failed:  # the startup eval graphs and the first step's are all compiled
+                if cfg.model.compile and failed:  # the first step's graphs are all compiled
                     warnings.warn(not_compiled_message(failed), stacklevel=1)
                     write_metrics(metrics, {"kind": "compile", "step": step, "frames_not_compiled": failed,
                                             "message": not_compiled_message(failed)})
