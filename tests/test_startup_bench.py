@@ -55,3 +55,19 @@ def test_tiny_cold_and_warm_end_to_end(startup, shared, tmp_path):
     logs = {run: (tmp_path / "work" / f"{run}.log").read_text() for run in ("cold", "warm")}
     assert "train.jsonl" in logs["cold"] and " miss " in logs["cold"] and " hit " in logs["warm"]
     assert row["page_cache_dropped"] and row["shards"] >= 2
+
+
+def test_load_time_script_times_serial_and_parallel(startup, shared, tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import load_time
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    config = {**json.loads(startup.MODEL_CONFIG.read_text()), **startup.TINY}
+    startup.write_model(tmp_path / "tiny", config, shared / "tokenizers" / "llama3", 8 * 2**20)
+    assert load_time.main([str(tmp_path / "tiny"), "--dtype", "float32", "--device", "cpu", "--threads", "1,4",
+                           "--repeats", "1", "--cold"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["threads"], r["cold"]) for r in lines] == [(1, True), (4, True)] and all(r["seconds"] > 0 for r in lines)
