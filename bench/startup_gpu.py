@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
            "cold_breakdown": cold["breakdown"], "warm_breakdown": warm["breakdown"],
            "cold_peak_gib": cold["peak_gib"], "warm_peak_gib": warm["peak_gib"],
            "host_peak_gib": max(cold["host_peak_gib"], warm["host_peak_gib"]),
+           "describe": f"start-up of {opts.config.name}, process start to the end of step 1: cold "
+                       f"{cold['outside_s']:.1f} s, warm {warm['outside_s']:.1f} s (targets {TARGETS['cold_s']:g} "
+                       f"/ {TARGETS['warm_s']:g} s)",
            "targets": TARGETS, "page_cache_dropped": page_cache_dropped, "weights_gib": round(model["weights_gib"], 3),
            "shards": model["shards"], "train_command": "gapless train " + shlex.join(
                [str(opts.config.relative_to(ROOT) if opts.config.is_relative_to(ROOT) else opts.config),

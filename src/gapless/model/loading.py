@@ -432,7 +432,8 @@ _ELEMENT_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F
 
 
 def _safe_open_device(device: torch.device) -> str:
-    """Where safe_open puts the tensors it reads: the CUDA device itself (no host copy), else the host."""
+    """Where safe_open puts the tensors it reads: the CUDA device itself (no host tensor is made for gapless to
+    copy), else the host."""
     if device.type != "cuda":
         return "cpu"
     return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
