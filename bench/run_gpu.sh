@@ -16,6 +16,10 @@
 #                                  8,192), each beside HF+PEFT (+Liger) built from the same config.json
 #                                  (bench/peers --model-config); the Gemma GPU tests if time is left. Needs the H200
 #                                  (HF+PEFT without Liger on Gemma-3-4B: ~110 GiB at 8,192 tokens)
+#   bash bench/run_gpu.sh startup  the example 3B config's start-up, cold and warm (bench/startup_gpu.py: random weights
+#                                  written first; carry ../shared/data/messages as .carry/messages and
+#                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
+#                                  reading threads (bench/load_time.py) and the loading GPU test
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -73,6 +77,13 @@ if [[ $MODE == tests ]]; then
   exit "${PIPESTATUS[0]}"
 elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
+elif [[ $MODE == startup ]]; then
+  timeout -k 10 "$(left 120)" "$PY" bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$RUN_ID" 2>&1 \
+    | tee "$OUT/startup.log"
+  cp /tmp/gapless-startup/*.log "$OUT"/ 2>/dev/null
+  timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 1,8 --repeats 2 --cold \
+    2>&1 | tee "$OUT/load_time.log"
+  timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
 elif [[ $MODE == methods ]]; then
   # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
   bench 120 --model $M3 --config qlora_best,full_best,best_dropout,best

@@ -73,3 +73,62 @@ def test_compile_layers_keeps_inductor_caches_in_gaplesss_cache_folder(monkeypat
     assert use_compile_cache() == COMPILE_CACHE.expanduser()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice wins
     assert use_compile_cache() == tmp_path
+
+
+def test_one_graph_per_distinct_layer_whatever_the_depth():
+    """A compiled Llama compiles one graph per distinct layer, not per layer: layer 0 (its input, the frozen
+    embedding's output, needs no gradient) and the rest, at 2 layers as at 4; evaluation (no autograd) adds one more,
+    shared by every layer."""
+    from torch._dynamo.utils import counters
+
+    from gapless.config import LoraConfig
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+    from gapless.model.lora import apply_lora
+    from gapless.train.compile import compile_layers
+
+    graphs = {}
+    for layers in (2, 4):
+        args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
+        torch._dynamo.reset()
+        counters.clear()
+        model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4)), backend="eager")
+        model.loss_compiled = False  # the loss's own compiled step is not a layer's
+        ids, targets = torch.randint(0, 64, (2, 1, 10), generator=torch.Generator().manual_seed(0))
+        model(ids, targets=targets).backward()
+        train = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            model(ids, targets=targets)
+        graphs[layers] = (train, counters["stats"]["unique_graphs"] - train)
+        assert frames_not_compiled() == 0
+    assert graphs[2] == graphs[4] == (2, 1), graphs
+
+
+def test_evaluation_graphs_compile_when_the_first_evaluation_needs_them(tmp_path, monkeypatch):
+    """With compile on and held-out data, nothing is evaluated before step 1 (start-up): the evaluation graphs
+    compile in the first evaluation, at train.eval_every."""
+    write_base_model(tmp_path / "base", seed=0)
+    demo_task.write_jsonl(demo_task.make_examples(80, seed=1), tmp_path / "train.jsonl")
+    monkeypatch.setattr(assemble, "compile_layers", lambda model: model)  # the order of calls is what is tested
+    steps_done, evaluated_after = [0], []
+    step, evaluate = loop.train_step, loop.evaluate
+
+    def counted_step(*args, **kwargs):
+        steps_done[0] += 1
+        return step(*args, **kwargs)
+
+    def recorded_evaluate(*args):
+        evaluated_after.append(steps_done[0])
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "train_step", counted_step)
+    monkeypatch.setattr(loop, "evaluate", recorded_evaluate)
+    cfg = load_config(data={
+        "model": {"path": str(tmp_path / "base"), "dtype": "float32", "device": "cpu", "compile": True},
+        "data": {"sources": [{"path": str(tmp_path / "train.jsonl")}], "max_seq_len": 64, "tokens_per_batch": 128,
+                 "cache_dir": str(tmp_path / "cache"), "num_workers": 0, "eval_fraction": 0.1},
+        "lora": {"r": 4, "alpha": 8}, "train": {"steps": 3, "log_every": 1, "eval_every": 2},
+        "output_dir": str(tmp_path / "run"), "progress": False})
+    loop.train(cfg)
+    assert evaluated_after == [2, 3]  # at eval_every, and the final evaluation

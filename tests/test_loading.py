@@ -1,5 +1,7 @@
 """Loading HF folders: both config.json forms, shards, dtypes, and a clear error for each user mistake."""
+import copy
 import json
+import math
 import pickle
 import shutil
 from pathlib import Path
@@ -194,3 +196,168 @@ def test_sliding_window_per_family():
                    layer_types=["sliding_attention", "full_attention"]) == [4, None]
     with pytest.raises(ValueError, match="layer_types: expected 2 entries"):
         windows(model_type="qwen3", use_sliding_window=True, layer_types=["sliding_attention"])
+
+
+# --- the parallel load: the serial load's tensors bit for bit, its errors, its bounds
+
+
+def _sharded(hf_checkpoint, tmp_path, **config) -> Path:
+    """A tiny Llama saved in several shards with an index json (save_pretrained's own format)."""
+    hf, _ = hf_checkpoint("llama", **config)
+    folder = tmp_path / "sharded"
+    hf.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("model-*"))) > 2
+    return folder
+
+
+def _loaded_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
+            if not v.is_meta}
+
+
+def _assert_bitwise_equal(a, b) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype, tied", [("float32", False), ("bfloat16", True), ("float16", False)])
+def test_parallel_load_equals_serial_bit_for_bit(hf_checkpoint, tmp_path, dtype, tied):
+    from gapless.model.loading import build, load_weights
+
+    folder = _sharded(hf_checkpoint, tmp_path, tie_word_embeddings=tied)
+    serial = load_weights(build(folder), dtype, threads=1)
+    parallel = load_weights(build(folder), dtype, threads=4)
+    _assert_bitwise_equal(_loaded_state(parallel), _loaded_state(serial))
+    assert (parallel.lm_head.weight is parallel.model.embed_tokens.weight) == tied
+    assert {p.dtype for p in parallel.parameters()} == {getattr(torch, dtype)}
+
+
+def test_parallel_qlora_load_quantises_as_tensors_arrive(hf_checkpoint, tmp_path):
+    from gapless.config import LoraConfig
+    from gapless.model.loading import build, load_weights
+    from gapless.model.method import Qlora
+
+    folder = _sharded(hf_checkpoint, tmp_path)
+    models = []
+    for threads in (1, 4):
+        method = Qlora(LoraConfig(r=4, alpha=8), torch.float32)
+        model = method.transform(build(folder))
+        models.append(load_weights(model, "float32", hook=method.load_hook, threads=threads))
+    serial, parallel = map(_loaded_state, models)
+    _assert_bitwise_equal(parallel, serial)
+    assert "model.layers.1.mlp.down_proj.weight_packed" in parallel  # the NF4 storage, filled by the hook
+    assert not any(k.endswith("proj.weight") for k in parallel)  # no bf16/fp32 base weight kept
+
+
+def test_reads_are_bounded_in_threads_and_bytes(hf_checkpoint, tmp_path, monkeypatch):
+    """At most `threads` reads ahead of the tensor being consumed, holding at most `inflight_bytes` (a tensor
+    larger than that alone), on threads named gapless-load, no more of them than asked for."""
+    import threading
+
+    import gapless.model.loading as loading
+
+    folder = _sharded(hf_checkpoint, tmp_path)
+    model = loading.build(folder)
+    largest = max(math.prod(s) for s in model.checkpoint_shapes.values()) * 4  # float32 bytes
+    started: list[str] = []
+    read = loading._read_tensor
+
+    def counting(handle, file, key, device, dtype):
+        started.append(key)
+        return read(handle, file, key, device, dtype)
+
+    monkeypatch.setattr(loading, "_read_tensor", counting)
+    threads, budget = 3, largest + 4096
+    consumed, most_ahead, most_threads = 0, 0, 0
+    for key, tensor in loading.checkpoint_tensors(model, "cpu", torch.float32, threads, budget):
+        consumed += 1
+        most_ahead = max(most_ahead, len(started) - consumed)
+        most_threads = max(most_threads, sum(t.name.startswith("gapless-load") for t in threading.enumerate()))
+        assert tensor.shape == model.checkpoint_shapes[key]
+    assert consumed == len(model.checkpoint_shapes) and sorted(started) == sorted(model.checkpoint_shapes)
+    assert 0 < most_ahead <= threads - 1 and 0 < most_threads <= threads
+    # a budget smaller than any tensor: one read at a time, none ahead
+    started.clear()
+    consumed, most_ahead = 0, 0
+    for _ in loading.checkpoint_tensors(model, "cpu", torch.float32, threads, inflight_bytes=1):
+        consumed += 1
+        most_ahead = max(most_ahead, len(started) - consumed)
+    assert most_ahead == 0
+
+
+def test_a_corrupt_or_changed_shard_names_the_file_and_tensor(hf_checkpoint, tmp_path):
+    from gapless.model.loading import build, load_weights
+
+    folder = _sharded(hf_checkpoint, tmp_path)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    shard = shards[1]
+    tensors = load_file(shard)
+    key = sorted(tensors)[0]
+    # a tensor missing from a shard: the keys error, before anything is read
+    save_file({k: v for k, v in tensors.items() if k != key}, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"missing keys: \[{key}\]"):
+        build(folder)
+    # the shard changed between the check and the read (another process rewrote the folder): the tensor named
+    save_file(tensors, shard, metadata={"format": "pt"})
+    model = build(folder)
+    save_file({k: v for k, v in tensors.items() if k != key}, shard, metadata={"format": "pt"})
+    for threads in (1, 4):
+        with pytest.raises(ValueError, match=rf"{folder}: the checkpoint changed after it was checked; it no "
+                                             rf"longer holds \[{key}\]"):
+            load_weights(copy.deepcopy(model), "float32", threads=threads)
+    # a truncated shard: named as not readable, at the check and at the read
+    save_file(tensors, shard, metadata={"format": "pt"})
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{shard}: not a readable safetensors file"):
+        build(folder)
+    for threads in (1, 4):
+        with pytest.raises(ValueError, match=rf"{shard}: not a readable safetensors file"):
+            load_weights(copy.deepcopy(model), "float32", threads=threads)
+
+
+def test_a_read_error_in_a_reading_thread_names_the_file_and_tensor(hf_checkpoint, tmp_path, monkeypatch):
+    """An I/O error while a tensor's bytes are read (a failing disk) reaches the caller from the thread that met it,
+    with the shard and the tensor named, and the reads not yet started are dropped."""
+    import gapless.model.loading as loading
+
+    folder = _sharded(hf_checkpoint, tmp_path)
+    bad = "model.layers.1.mlp.up_proj.weight"
+    opened = loading.safe_open
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            self.st = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.st.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.st.__exit__(*exc)
+
+        def __getattr__(self, name):  # keys, get_slice: the real handle's
+            return getattr(self.inner, name)
+
+        def get_tensor(self, key):
+            if key == bad:
+                raise OSError(5, "Input/output error")
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(loading, "safe_open", Failing)
+    shard = read_weight_headers(folder)[bad][0]
+    for threads in (1, 4):
+        with pytest.raises(ValueError, match=rf"{shard}: tensor {bad} could not be read: .*Input/output error"):
+            loading.load_weights(loading.build(folder), "float32", threads=threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parallel_load_straight_to_cuda_equals_the_host_load(hf_checkpoint, tmp_path):
+    from gapless.model.loading import build, load_weights
+
+    folder = _sharded(hf_checkpoint, tmp_path)
+    host = load_weights(build(folder), "bfloat16", "cpu", threads=1)
+    cuda = load_weights(build(folder), "bfloat16", "cuda", threads=4)
+    assert {p.device.type for p in cuda.parameters()} == {"cuda"}
+    _assert_bitwise_equal({k: v.cpu() for k, v in _loaded_state(cuda).items()}, _loaded_state(host))

@@ -142,3 +142,17 @@ def test_gapless_train_clock_starts_at_process_start(base, tmp_path):
     assert 0 < last["first_step_s"] < last["wall_s"]
     # the command also records the environment (gapless doctor --compare reads it)
     assert json.loads((base["root"] / "process" / "environment.json").read_text())["python"]
+
+
+def test_startup_record_parts_add_up_to_the_first_step(base):
+    """{"kind": "startup"} at step 1: imports_config, model, data, other and first_step add up to first_step_s (the
+    wall time from the run's clock start to the end of step 1), and the peak memory so far is there."""
+    result = train(one_epoch(base, "startup", **{"train.steps": 2}))
+    records = [json.loads(line) for line in open(result.run_dir / "metrics.jsonl")]
+    [startup] = [r for r in records if r.get("kind") == "startup"]
+    assert startup["step"] == 1 and startup["first_step_s"] == pytest.approx(result.first_step_s)
+    parts = startup["seconds"]
+    assert list(parts) == ["imports_config", "model", "other", "data", "first_step"]
+    assert all(v >= 0 for v in parts.values()) and parts["first_step"] > 0 and parts["model"] > 0
+    assert sum(parts.values()) == pytest.approx(startup["first_step_s"], abs=5e-3)
+    assert startup["compile_s"] >= 0 and startup["peak_gib"] is None and startup["host_peak_gib"] > 0.1  # CPU

@@ -97,6 +97,23 @@ def process_start() -> float | None:
     return time.perf_counter() - age if 0 <= age < 86400 * 365 else None
 
 
+class StartupParts:
+    """Where start-up's seconds went, from the run's clock start (t0) to the end of step 1: `mark(part)` closes the
+    part running since the previous mark, so the parts add up to the first step's wall time by construction. The
+    parts `gapless train` marks: imports_config (the interpreter, the imports, the config, the run folder), model
+    (build, transform, load the weights), data (read and tokenize, or the token cache), other (optimizer, peak FLOPs,
+    checkpoints, the GPU monitor), first_step (its batch, the compile, forward, backward, update, settled)."""
+
+    def __init__(self, t0: float, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self._t = clock, t0
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, part: str) -> None:
+        now = self.clock()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._t
+        self._t = now
+
+
 class Timeline:
     def __init__(self, device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
                  t0: float | None = None):

@@ -176,10 +176,12 @@ def qlora_load_hook(model: nn.Module) -> Callable[[str, Tensor], bool]:
     hands each tensor over already on the target device): a QLoRA layer's base weight is quantised where it is into
     the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False).
 
-    Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, one checkpoint tensor at a time (memory-mapped
-    safetensors; the largest, the embedding, 128256 x 4096 x 2 B = 1.05 GB); GPU, the model as it fills (5.3 GiB at
+    Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, nothing beyond the memory-mapped shards (the
+    reading threads put each tensor on the GPU: loading.checkpoint_tensors); GPU, the model as it fills (5.3 GiB at
     the end: gapless.meter.memory) plus the one projection being quantised, 14336 x 4096 = 58.7M weights x
-    (2 B bf16 + ~16 B of quantize_nf4's float32 temporaries) = ~1.1 GB. Never a bf16 copy of the model."""
+    (2 B bf16 + ~16 B of quantize_nf4's float32 temporaries) = ~1.1 GB, plus the tensors read ahead of it (at most
+    loading.LOAD_INFLIGHT_BYTES, 1 GiB; threads=1 reads none ahead). Never a bf16 copy of the model. The hook runs
+    in the loading thread, one tensor at a time, in the checkpoint's order."""
     layers = {name + ".weight": layer for name, layer in model.named_modules() if isinstance(layer, QLoraLinear)}
 
     def hook(key: str, tensor: Tensor) -> bool:

@@ -57,3 +57,13 @@ def frames_not_compiled() -> int:
 def not_compiled_message(count: int) -> str:
     return (f"torch.compile gave up on {count} frame(s), which run eager (a recompile limit or an error it fell "
             "back from): the compiled layers are partly eager. TORCH_LOGS=recompiles,graph_breaks shows why.")
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process: dynamo's own timer of each frame's compile
+    (`_compile.compile_inner`: tracing, AOTAutograd, inductor's code generation or its cache load; the backward
+    graph too, which torch 2.13 compiles with the forward). A backward compiled lazily at its first call would be
+    missed; 0.0 where this private timer is absent."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))

@@ -40,14 +40,14 @@ from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import plots_of, read_run, write_report
 from gapless.meter.sinks import Sinks, open_sinks
 from gapless.meter.sinks import require as require_sinks
-from gapless.meter.timeline import CATEGORIES, Timeline, format_summary
+from gapless.meter.timeline import CATEGORIES, StartupParts, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
 from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
 from gapless.train.checkpoint_interval import MEASURE_STEPS, CheckpointSchedule, tensor_bytes
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
-from gapless.train.compile import frames_not_compiled, not_compiled_message
+from gapless.train.compile import compile_seconds, frames_not_compiled, not_compiled_message
 from gapless.train.guard import NonFinite, StopSignals, finite
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
@@ -210,6 +210,7 @@ class Run:
     masters: MasterWeights  # float32 copies of bf16/fp16 trainable weights (full fine-tuning); `params` are these
     scaler: DynamicLossScaler | None  # fp16's loss scaler; None in bf16/fp32
     nonfinite: NonFinite  # the guard against NaN/inf steps (gapless.train.guard)
+    startup: StartupParts  # where start-up's seconds went, up to the end of step 1
     parallel: Dist = field(default_factory=Dist)  # this rank's place in a torchrun run (gapless.train.parallel)
 
 
@@ -220,6 +221,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     from gapless.model.loading import build, read_config
     from gapless.train.assemble import assemble
 
+    startup = StartupParts(timeline.t0)
+    startup.mark("imports_config")
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if parallel.is_main:  # after train's checks
@@ -235,6 +238,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
                      parallel=parallel)
+    startup.mark("model")
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
     # the optimizer updates float32 tensors: the trainable ones as they are, or float32 masters of bf16/fp16 ones
@@ -252,6 +256,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     progress.phase("startup: reading and tokenizing the data")
+    startup.mark("other")
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
         if tokenizing == parallel.is_main:
             mix, eval_mix, summary = data if data is not None else build_data(
@@ -264,6 +269,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         sampler = ShardedSampler.of(sampler, parallel.rank, parallel.world_size)
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
+    startup.mark("data")
 
     optimizer = build_optimizer(params, cfg.optim, device.type)
     masters.attach(optimizer)
@@ -272,7 +278,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     checkpoints = checkpoint_manager(run_dir / "checkpoints", cfg.checkpoint, parallel, model, optimizer)
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
                sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, NonFinite(device),
-               parallel)
+               startup, parallel)
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
@@ -410,12 +416,12 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     # pieces with the same tokens, and the rest of the run keeps the smaller pieces: gapless.train.batch_finder)
     rows = 1 << 30  # no cap until an OOM
     t_steady = steady_mark = None
-    if run.eval_batches and cfg.model.compile:
-        run.progress.phase("startup: compiling the evaluation graphs")
-        # the compiled layers need other graphs without autograd: compile them now, in startup, rather than
-        # stall the first evaluation mid-run (~20 s for a 1B model on an H200)
-        evaluate(run.model, run.eval_batches[:1], device)
+    # The compiled layers' graphs without autograd (evaluation) compile when the first evaluation needs them, in its
+    # "eval" time: compiled here, before step 1, they cost every run's start-up (~20 s for a 1B model on an H200,
+    # uncached) for an evaluation that may come hundreds of steps later or only at the end; warm, inductor's cache
+    # serves them as it serves the training graphs.
     timeline.end("startup")
+    run.startup.mark("other")
     run.progress.phase("startup: first step (compiles the layers, fills the allocator)" if cfg.model.compile
                        else "startup: first step")
     try:
@@ -451,13 +457,15 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
                 failed = frames_not_compiled() - frames_failed_before
-                if cfg.model.compile and failed:  # the startup eval graphs and the first step's are all compiled
+                if cfg.model.compile and failed:  # the first step's graphs are all compiled
                     warnings.warn(not_compiled_message(failed), stacklevel=1)
                     metrics.write({"kind": "compile", "step": step, "frames_not_compiled": failed,
                                    "message": not_compiled_message(failed)})
                 t_steady = time.perf_counter()
                 steady_mark = timeline.summary()
                 result.first_step_s = steady_mark["wall"]
+                run.startup.mark("first_step")
+                metrics.write(startup_record(run, step, result.first_step_s))
                 run.progress.message(f"step 1 done {result.first_step_s:.1f} s after the start (start-up: "
                                      "imports, data, model, compile, the first step)")
                 window.warmup_done(steady_mark["compute"])
@@ -666,6 +674,20 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
         finally:
             progress.close()
     return result
+
+
+def startup_record(run: Run, step: int, first_step_s: float) -> dict:
+    """{"kind": "startup"}: the seconds from the run's clock start to the end of its first step, by part
+    (StartupParts), of which torch.compile's; and the peak memory so far (the GPU's allocated bytes, the host's
+    resident set), in GiB."""
+    import resource
+
+    cuda = run.device.type == "cuda"
+    parts = {k: round(v, 4) for k, v in run.startup.seconds.items()}
+    return {"kind": "startup", "step": step, "first_step_s": first_step_s, "seconds": parts,
+            "compile_s": round(compile_seconds(), 4),
+            "peak_gib": torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
+            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss: KiB on Linux
 
 
 def environment_record(device: torch.device, step: int) -> dict:

@@ -1,0 +1,232 @@
+"""Start-up of the example config, cold and warm: from process start to the end of step 1 (issue 18, item 5).
+
+    python bench/startup_gpu.py [--work /tmp/gapless-startup] [--out bench/results.jsonl] [--run-id ID]
+    python bench/startup_gpu.py --tiny [--work DIR]    # a 2-layer Llama on the CPU: the same steps in seconds
+
+1. Writes random Llama-3.2-3B weights (bench/models/llama-3.2-3b/config.json; bf16, transformers' init: normal with
+   std 0.02, norms 1) as safetensors shards of at most --shard-gb with model.safetensors.index.json, as
+   save_pretrained writes them, and the Llama 3 tokenizer, into WORK/model (kept and reused while its config.json is
+   the same).
+2. Runs `gapless train examples/llama-3.2-3b-lora.yaml model.path=WORK/model data.sources.0.path=DATA
+   train.steps=1 ...` in a subprocess twice:
+     cold: the compile cache (TORCHINDUCTOR_CACHE_DIR) and the token cache (data.cache_dir) empty, and the weights'
+           pages dropped from the OS page cache (fsync, then posix_fadvise DONTNEED: advisory, no root needed);
+     warm: the same caches, now full, and the weights in the page cache.
+3. Each time, two clocks to the end of step 1: outside, from just before the subprocess is started to the moment its
+   "step 1 done" line arrives (`cold_s`, `warm_s`); inside, the run's own first_step_s from the process start
+   (metrics.jsonl {"kind": "startup"}), with its parts: imports_config, load (build, transform, load the weights),
+   data, other, first_step (its batch, compile, forward, backward, update), compile_s (torch.compile's own timer,
+   within first_step) and the peak memory.
+4. Appends one row to --out in the schema of bench/results.jsonl's rows (config "startup"; "startup_tiny" for
+   --tiny, whose rows go to WORK/results.jsonl unless --out is given).
+
+The issue's targets on one H200: cold_s <= 30, warm_s <= 12. DATA: --data, default ../shared/data/messages, else
+.carry/messages (the GPU machine has no ../shared: carry the folder); the tokenizer likewise (--tokenizer, default
+../shared/tokenizers/llama3, else .carry/tokenizers/llama3). --tiny writes its own small data set.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gapless.bench import append_row, device_name
+from gapless.model.decoder import CausalLM
+from gapless.model.loading import model_args_from_config
+from gapless.train.assemble import random_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "llama-3.2-3b-lora.yaml"
+MODEL_CONFIG = ROOT / "bench" / "models" / "llama-3.2-3b" / "config.json"
+TARGETS = {"cold_s": 30.0, "warm_s": 12.0}  # issue 18, one H200
+# --tiny: the 3B config's family and vocabulary (the Llama 3 tokenizer's ids), 2 small layers
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}
+# --tiny on the CPU: rows short enough that a step of a 128,256-token vocabulary takes a second, not minutes
+TINY_OVERRIDES = ["data.max_seq_len=256", "data.tokens_per_batch=1024"]
+STEP1_LINE = "step 1 done"  # gapless.train.loop's message at the end of the first step
+
+
+def first_existing(*paths: Path) -> Path | None:
+    return next((p for p in paths if p.exists()), None)
+
+
+def write_model(folder: Path, config: dict, tokenizer: Path, shard_bytes: int) -> dict:
+    """Random weights of `config` as safetensors shards + index into `folder`, with the tokenizer's files; reused
+    when the folder already holds this config. Returns {"weights_gib", "shards", "written_s"}."""
+    index = folder / "model.safetensors.index.json"
+    if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()) == config \
+            and index.is_file():
+        files = sorted(folder.glob("model-*.safetensors"))
+        return {"weights_gib": sum(f.stat().st_size for f in files) / 2**30, "shards": len(files), "written_s": 0.0}
+    t0 = time.perf_counter()
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    with torch.device("meta"):
+        skeleton = CausalLM(model_args_from_config(config))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # drawn on the GPU where there is one
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in random_tensors(skeleton, device, torch.bfloat16):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor.cpu()
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, name)
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for f in tokenizer.iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    return {"weights_gib": total / 2**30, "shards": len(shards), "written_s": time.perf_counter() - t0}
+
+
+def drop_page_cache(folder: Path) -> bool:
+    """Ask the kernel to drop the weights' pages from the page cache (written back first); False where
+    posix_fadvise is missing. Advisory: pages another process maps stay."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in folder.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path) -> dict:
+    """One `gapless train` subprocess: the outside clock to its "step 1 done" line, its own startup record, its
+    exit. Every line of its output goes to `log`."""
+    t0 = time.perf_counter()
+    outside = None
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=ROOT)
+        for line in proc.stdout:
+            if outside is None and STEP1_LINE in line:
+                outside = time.perf_counter() - t0
+            f.write(line)
+        code = proc.wait()
+    wall = time.perf_counter() - t0
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    startup = next((r for r in records if r.get("kind") == "startup"), None)
+    if code != 0 or outside is None or startup is None:
+        tail = log.read_text().splitlines()[-5:]
+        raise RuntimeError(f"{name} run failed (exit {code}; see {log}): {' | '.join(tail)}")
+    parts = startup["seconds"]
+    return {"outside_s": round(outside, 3), "inside_s": round(startup["first_step_s"], 3),
+            "breakdown": {"imports_config": parts["imports_config"], "load": parts["model"], "data": parts["data"],
+                          "other": parts["other"], "first_step": parts["first_step"],
+                          "compile": startup["compile_s"]},
+            "peak_gib": startup["peak_gib"], "host_peak_gib": round(startup["host_peak_gib"], 3),
+            "process_s": round(wall, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a 2-layer Llama and a small data set (CPU, seconds)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/gapless-startup"), help="weights, caches, runs, logs")
+    p.add_argument("--config", type=Path, default=CONFIG)
+    p.add_argument("--model-config", type=Path, default=MODEL_CONFIG, help="the config.json the weights follow")
+    p.add_argument("--data", type=Path, default=None, help="the training data (a file or a folder)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="a folder of Llama 3 tokenizer files")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="the largest shard, as save_pretrained's default")
+    p.add_argument("--out", type=Path, default=None, help="results.jsonl to append to (default bench/results.jsonl; "
+                                                           "--tiny: WORK/results.jsonl)")
+    p.add_argument("--run-id", default=None)
+    opts = p.parse_args(argv)
+
+    work = opts.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = opts.tokenizer or first_existing(ROOT.parent / "shared" / "tokenizers" / "llama3",
+                                                 ROOT / ".carry" / "tokenizers" / "llama3")
+    if tokenizer is None or not tokenizer.is_dir():
+        p.error("--tokenizer: no Llama 3 tokenizer folder (../shared/tokenizers/llama3 or .carry/tokenizers/llama3)")
+    config = json.loads(opts.model_config.read_text())
+    # one step: no room for the config's warm-up ratio (a 1-step run is refused with one), which start-up never reaches
+    overrides: list[str] = ["schedule.warmup_ratio=0"]
+    if opts.tiny:
+        from gapless import demo_task
+
+        config = {**config, **TINY}
+        data = opts.data or demo_task.write_jsonl(demo_task.make_examples(400, seed=0), work / "data" / "train.jsonl")
+        overrides += TINY_OVERRIDES
+        shard_bytes = 8 * 2**20  # 8 MiB: the tiny weights in several shards, as a real checkpoint is
+    else:
+        data = opts.data or first_existing(ROOT.parent / "shared" / "data" / "messages", ROOT / ".carry" / "messages")
+        if data is None:
+            p.error("--data: no data (../shared/data/messages or .carry/messages)")
+        shard_bytes = int(opts.shard_gb * 2**30)
+    out = opts.out or (work / "results.jsonl" if opts.tiny else ROOT / "bench" / "results.jsonl")
+    model = write_model(work / "model", config, tokenizer, shard_bytes)
+    print(f"[startup] weights: {model['weights_gib']:.2f} GiB in {model['shards']} shards in {work / 'model'}"
+          + (f" (written in {model['written_s']:.1f} s)" if model["written_s"] else " (reused)"), flush=True)
+
+    caches = work / "cache"
+    shutil.rmtree(caches, ignore_errors=True)  # cold: nothing compiled, nothing tokenized
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "compile"), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    results, page_cache_dropped = {}, False
+    for name in ("cold", "warm"):
+        if name == "cold":
+            page_cache_dropped = drop_page_cache(work / "model")
+        run_dir = work / "runs" / name
+        command = [sys.executable, "-m", "gapless.cli", "train", str(opts.config), f"model.path={work / 'model'}",
+                   f"data.sources.0.path={data}", f"data.cache_dir={caches / 'tokens'}", "train.steps=1",
+                   f"output_dir={run_dir}", *overrides, "--overwrite"]
+        results[name] = run_once(name, command, env, run_dir, work / f"{name}.log")
+        r = results[name]
+        print(f"[startup] {name}: {r['outside_s']:.1f} s to the end of step 1 (outside clock; inside "
+              f"{r['inside_s']:.1f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items()), flush=True)
+
+    cold, warm = results["cold"], results["warm"]
+    peaks = [r["peak_gib"] for r in (cold, warm) if r["peak_gib"] is not None]
+    row = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "system": "gapless",
+           "config": "startup_tiny" if opts.tiny else "startup",
+           "model": "llama-3.2-3b-shape-tiny" if opts.tiny else opts.model_config.parent.name,
+           "real_tok_s": None, "peak_gib": round(max(peaks), 2) if peaks else None, "mfu": None,
+           "padding_fraction": None, "step_ms": None, "fwd_ms": None, "bwd_ms": None, "opt_ms": None,
+           "command": shlex.join(["python", "bench/startup_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+           "run_id": opts.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ-startup"),
+           "torch": torch.__version__, "error": None,
+           "cold_s": cold["outside_s"], "warm_s": warm["outside_s"],
+           "cold_inside_s": cold["inside_s"], "warm_inside_s": warm["inside_s"],
+           "cold_breakdown": cold["breakdown"], "warm_breakdown": warm["breakdown"],
+           "cold_peak_gib": cold["peak_gib"], "warm_peak_gib": warm["peak_gib"],
+           "host_peak_gib": max(cold["host_peak_gib"], warm["host_peak_gib"]),
+           "describe": f"start-up of {opts.config.name}, process start to the end of step 1: cold "
+                       f"{cold['outside_s']:.1f} s, warm {warm['outside_s']:.1f} s (targets {TARGETS['cold_s']:g} "
+                       f"/ {TARGETS['warm_s']:g} s)",
+           "targets": TARGETS, "page_cache_dropped": page_cache_dropped, "weights_gib": round(model["weights_gib"], 3),
+           "shards": model["shards"], "train_command": "gapless train " + shlex.join(
+               [str(opts.config.relative_to(ROOT) if opts.config.is_relative_to(ROOT) else opts.config),
+                "model.path=WORK/model", f"data.sources.0.path={data}", "train.steps=1", *overrides])}
+    append_row(out, row)
+    print(f"[startup] cold {row['cold_s']:.1f} s, warm {row['warm_s']:.1f} s (targets {TARGETS['cold_s']:.0f} and "
+          f"{TARGETS['warm_s']:.0f} s on one H200); row appended to {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
