@@ -22,7 +22,7 @@
 
 The issue's targets on one H200: cold_s <= 30, warm_s <= 12. DATA: --data, default ../shared/data/messages, else
 .carry/messages (the GPU machine has no ../shared: carry the folder); the tokenizer likewise (--tokenizer, default
-../shared/tokenizers/llama3, else .carry/tokenizers/llama3). --tiny writes its own small data set.
+../shared/tokenizers/llama3, else .carry/tokenizers/llama3 or .carry/llama3). --tiny writes its own small data set.
 """
 from __future__ import annotations
 
@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     work = opts.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = opts.tokenizer or first_existing(ROOT.parent / "shared" / "tokenizers" / "llama3",
-                                                 ROOT / ".carry" / "tokenizers" / "llama3")
+                                                 ROOT / ".carry" / "tokenizers" / "llama3", ROOT / ".carry" / "llama3")
     if tokenizer is None or not tokenizer.is_dir():
-        p.error("--tokenizer: no Llama 3 tokenizer folder (../shared/tokenizers/llama3 or .carry/tokenizers/llama3)")
+        p.error("--tokenizer: no Llama 3 tokenizer folder (../shared/tokenizers/llama3, .carry/tokenizers/llama3 "
+                "or .carry/llama3, as bench/doctor_gpu.sh carries it)")
     config = json.loads(opts.model_config.read_text())
     # one step: no room for the config's warm-up ratio (a 1-step run is refused with one), which start-up never reaches
     overrides: list[str] = ["schedule.warmup_ratio=0"]
