@@ -173,3 +173,37 @@ def test_sampler_writes_json_lines(tmp_path, monkeypatch):
     assert rows[0] == {"t": rows[0]["t"], "gpu": "NVIDIA H200", "util": 93, "mem_used_mib": 3072.0,
                        "mem_total_mib": 144384.0, "power_w": 612.3, "power_limit_w": None, "sm_clock_mhz": 1980,
                        "temp_c": 61, "throttle": ["sw_power_cap"]}
+
+
+def test_rules_per_rank_name_the_outlier():
+    """Several processes: a rule that fires on one rank only names it; one that fires on every rank is one finding;
+    a rank much less busy than the others is named; a rank without samples is left out of the rules."""
+    even = samples(330, util=lambda t: 0 if t < 20 else 97)
+    capped = samples(330, util=lambda t: 0 if t < 20 else 97, throttle=["sw_power_cap"], power_w=699.0,
+                     sm_clock_mhz=1600)
+    found = diagnose(even, summary(), ranks={0: even, 1: even, 2: capped, 3: []})
+    assert causes(found) == ["power throttling on rank 2"]
+    assert found[0].evidence.startswith("rank 2: sw_power_cap in 100% of busy samples; power median 699 W")
+    assert found[0].evidence.endswith("not on ranks 0, 1") and "sets the pace of all ranks" in found[0].fix
+    # on every rank: one finding, as for one GPU
+    found = diagnose(capped, summary(), ranks={0: capped, 1: capped})
+    assert causes(found) == ["power throttling"] and found[0].evidence.startswith("on every rank (2); rank 0: ")
+    found = diagnose(capped, summary(), ranks={0: capped, 1: []})
+    assert found[0].evidence.startswith("on every rank with samples (1 of 2); rank 0: ")
+    # a rank that idles while the others compute
+    idle = samples(330, util=lambda t: 0 if t < 20 else 70)
+    found = diagnose(even, summary(), ranks={0: even, 1: idle, 2: even})
+    assert causes(found) == ["rank 1 less busy than the others"]
+    assert "70% on rank 1, against 97% over the ranks" in found[0].evidence
+    # one process, or one rank's samples: the rules as before
+    assert diagnose(capped, summary(), ranks={0: capped}) == diagnose(capped, summary())
+
+
+def test_summarise_one_gpu():
+    rows = samples(10, util=lambda t: 0 if t < 2 else 90, throttle=["sw_power_cap"]) + samples(10, t0=10)
+    x = monitor.summarise(rows, startup=2.0)
+    assert x["samples"] == 40 and x["gpu"] == "NVIDIA H200" and x["util_median"] == 97
+    assert x["util_mean"] == pytest.approx((16 * 90 + 20 * 97) / 36)
+    assert (x["mem_peak_mib"], x["power_limit_w"], x["sm_clock_mean_mhz"]) == (60000.0, 700.0, 1980)
+    assert x["power_share"] == pytest.approx(16 / 36) and x["thermal_share"] == 0.0
+    assert monitor.summarise([]) == {"samples": 0}

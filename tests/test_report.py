@@ -258,3 +258,87 @@ def test_checkpoint_steps_follow_auto_choices():
     assert checkpoint_steps(short) == [3]
     assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 20}}, train=train)) == [20, 40, 60]
     assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 0}}, train=train)) == []
+
+
+def make_ranks(run: Path, world: int = 3) -> Path:
+    """`run` (make_run) as a torchrun run of `world` ranks: the training records carry world_size, and rank r's
+    GPU samples go to gpu.rank{r}.jsonl (parallel.per_rank). Ranks 0 and 1 run unthrottled, rank 1 with 6 GiB
+    more memory and 8 points less utilisation when busy; rank 2 is power-capped at 1,605 MHz in every busy sample,
+    so it sets the pace."""
+    base = [json.loads(line) for line in (run / "gpu.jsonl").read_text().splitlines()]
+    for r in range(world):
+        rows = []
+        for s in base:
+            busy = s["util"] >= 50
+            s = {**s, "throttle": [x for x in s["throttle"] if x != "sw_power_cap"], "sm_clock_mhz": 1980}
+            if r == 1:
+                s.update(mem_used_mib=round(s["mem_used_mib"] + 6144, 1), util=s["util"] - 8 * busy)
+            if r == 2 and busy:
+                s.update(throttle=["sw_power_cap"], sm_clock_mhz=1605, power_w=699.0)
+            rows.append(s)
+        name = "gpu.jsonl" if r == 0 else f"gpu.rank{r}.jsonl"
+        (run / name).write_text("".join(json.dumps(s) + "\n" for s in rows))
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "world_size": world} if "loss" in r else r) + "\n" for r in records))
+    return run
+
+
+def test_report_of_several_ranks_names_the_outlier_gpu(tmp_path):
+    run = make_ranks(make_run(tmp_path / "run", steps=40, gap=False))
+    with open(run / "gpu.rank1.jsonl", "a") as f:
+        f.write('{"t": 999.5, "util": 9')  # rank 1 killed mid-write: its torn last line left out
+    r = read_run(run)
+    assert sorted(r.gpu_ranks) == [0, 1, 2] and r.gpu == r.gpu_ranks[0]
+    page = write_report(run).read_text()
+    text = re.sub(r"<img [^>]*>", "", page)
+    assert "<h2>Ranks and communication</h2>" in text and "<h3>GPUs per rank</h3>" in text
+    assert "<figcaption>GPU utilisation and memory per rank</figcaption>" in text
+    assert "<figcaption>GPU utilisation and memory (rank 0)</figcaption>" in text
+    assert "<td>slowest rank</td>" not in text  # no per-rank meter fields in these records: the GPUs alone
+    for rank in range(3):
+        assert f"<tr><td>{rank}</td><td>NVIDIA H200</td>" in text
+    assert "most throttled</td><td>rank 2: power-capped in 100%" in text
+    assert re.search(r"lowest utilisation</td><td>rank 1: \d+% mean against \d+% on the other ranks", text)
+    assert "highest memory</td><td>rank 1: peak 66.5 GiB, 6.0 GiB above the lowest rank" in text
+    assert "SM clock when busy, mean per rank</td><td>1605 MHz (rank 2) to 1980 MHz (rank 0)" in text
+    # the finding names rank 2 alone
+    assert "power throttling on rank 2" in text and "not on ranks 0, 1" in text
+    assert text.count("power throttling") == 1 and "less busy" not in text  # 8 points: named, not a finding
+    pngs = images(page)
+    assert len(pngs) == 6  # loss, lr, grad norm, tokens/s, rank 0's GPU, and every rank's GPU
+    assert_png(pngs[-1])
+    # `gapless doctor RUN` reads the same evidence
+    from gapless.diagnosis.doctor import run_findings
+
+    ids = [f.id for f in run_findings(run)]
+    assert "run.power_throttling_on_rank_2" in ids
+
+
+def test_report_of_several_ranks_with_a_silent_rank(tmp_path):
+    run = make_ranks(make_run(tmp_path / "run", steps=40, gap=False), world=3)
+    (run / "gpu.rank2.jsonl").unlink()  # rank 2's monitor wrote nothing (no NVML there)
+    (run / "gpu.rank1.jsonl").write_text('{"t": 0.0, "ut')  # rank 1: one torn line, no sample
+    page = write_report(run).read_text()
+    text = re.sub(r"<img [^>]*>", "", page)
+    assert "<tr><td>0</td><td>NVIDIA H200</td>" in text
+    for rank in (1, 2):
+        assert f"<tr><td>{rank}</td><td colspan=\"8\">no samples" in text
+    assert "lowest utilisation" not in text and "spread" not in text  # one rank recorded: nothing to compare
+    assert len(images(page)) == 6
+
+
+def test_one_process_report_is_unchanged_by_the_rank_code(tmp_path):
+    """A single-process run folder: no per-rank part, the findings as diagnose gives them for gpu.jsonl alone."""
+    run = make_run(tmp_path / "run", steps=40, gap=False)
+    from gapless.meter.monitor import diagnose
+    from gapless.meter.report import checkpoint_steps, findings, joined_sessions
+    from gapless.meter.timeline import session_totals
+
+    r = read_run(run)
+    assert list(r.gpu_ranks) == [0]
+    steps = {x["step"]: x["elapsed_s"] for x in r.train}
+    assert findings(r) == diagnose(joined_sessions(r.gpu), session_totals(r.time), checkpoint_steps(r), steps)
+    page = write_report(run).read_text()
+    assert "Ranks and communication" not in page and "GPUs per rank" not in page and "(rank 0)" not in page
+    assert len(images(page)) == 5

@@ -102,6 +102,20 @@ def test_tensorboard_gpu_samples_follow_the_earlier_sessions(tmp_path):
                                                     "train/loss": {7: 0.5}}
 
 
+def test_replay_tags_each_rank_gpu(tmp_path):
+    """Under torchrun, gpu/* is rank 0's GPU as live; the replay adds rank r's samples as gpu/rank{r}/*, each rank's
+    sessions joined on the run's time axis."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5, "world_size": 2}) + "\n")
+    (tmp_path / "gpu.jsonl").write_text(json.dumps({"t": 0.5, "util": 90}) + "\n")
+    (tmp_path / "gpu.rank1.jsonl").write_text("".join(json.dumps(s) + "\n" for s in (
+        {"t": 0.5, "util": 40, "temp_c": 70}, {"t": 1.0, "util": 41}, {"t": 0.5, "util": 42}))  # resumed
+        + '{"t": 1.0, "ut')  # torn last line
+    assert tb_scalars(write_tensorboard(tmp_path)) == {
+        "train/loss": {1: 0.5}, "gpu/util": {500: 90.0},
+        "gpu/rank1/util": {500: 40.0, 1000: 41.0, 1500: 42.0}, "gpu/rank1/temp_c": {500: 70.0}}
+
+
 @pytest.fixture
 def live_wandb(monkeypatch):
     """A stand-in wandb whose log() also notes the last line of metrics.jsonl at the moment it is called."""

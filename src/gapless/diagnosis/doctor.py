@@ -855,7 +855,8 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
 
 def run_findings(run_dir: str | Path) -> list[Finding]:
     """A finished or running run's own evidence (gapless.meter.report: input-bound, I/O-bound at checkpoints,
-    throttling, an under-used GPU, layers compile gave up on) as doctor findings: the seed's "still slow" checks."""
+    throttling, an under-used GPU, layers compile gave up on; under torchrun the GPU rules per rank, a rank whose GPU
+    alone throttles or idles named) as doctor findings: the seed's "still slow" checks."""
     import re
 
     from gapless.meter.report import findings, read_run
@@ -866,7 +867,7 @@ def run_findings(run_dir: str | Path) -> list[Finding]:
         out += _f(f"run.{slug}", "warning", f"{f.cause}: {f.evidence}", "the shares of the run's time above", f.fix)
     if not out:
         out += _f("run.evidence", "ok", f"{run_dir}: no input, checkpoint, throttling or utilisation finding in its "
-                  "metrics.jsonl and gpu.jsonl")
+                  "metrics.jsonl and gpu*.jsonl")
     return out
 
 

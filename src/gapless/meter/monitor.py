@@ -19,6 +19,11 @@ costs the training thread next to nothing.
 
 `diagnose` applies the rules to a recorded run (the samples and the time summary), so it works the
 same on a live run, on a finished run folder and on synthetic recordings in tests.
+
+Under torchrun each rank samples its own GPU into its own file (rank 0 gpu.jsonl, rank r gpu.rank{r}.jsonl:
+gapless.train.parallel's `per_rank`). Given every rank's samples, `diagnose` runs the GPU rules per rank
+(`rank_findings`): a rule that fires on some ranks only names them, and a rank much less busy than the others is
+named; `summarise` gives the numbers of the report's per-rank table.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ IO_BOUND_SHARE = 0.05      # checkpoint stalls this long mean I/O-bound
 THROTTLE_SHARE = 0.05      # a throttle reason in this share of busy samples is noted
 BUSY_UTIL = 50.0           # a sample with at least this utilisation (%) is "busy"
 UNDERUSED_UTIL = 50.0      # median utilisation below this, with no other cause found
+RANK_UTIL_GAP = 15.0       # several processes: a rank's median utilisation this many points under the ranks' median
 
 
 class GpuMonitor:
@@ -189,13 +195,15 @@ class Finding:
 
 
 def diagnose(gpu_samples: Sequence[dict], time_summary: dict[str, float] | None,
-             checkpoint_steps: Sequence[int] = (), step_times: dict[int, float] | None = None) -> list[Finding]:
+             checkpoint_steps: Sequence[int] = (), step_times: dict[int, float] | None = None,
+             ranks: dict[int, Sequence[dict]] | None = None) -> list[Finding]:
     """Name what limits a recorded run; a healthy run gives no findings.
 
     `gpu_samples`: gpu.jsonl records (may be empty: a CPU run). `time_summary`: seconds per timeline
     category plus "wall" (the run's final time record), or None. `checkpoint_steps`: the steps at which
     checkpoints were saved; `step_times`: step -> elapsed seconds at the end of that step (from
-    metrics.jsonl), used to look at the GPU around checkpoints.
+    metrics.jsonl), used to look at the GPU around checkpoints. `ranks`: a run of several processes, every
+    rank's samples (rank 0's being `gpu_samples`): the GPU rules then run per rank (`rank_findings`).
     """
     findings = []
     startup = time_summary.get("startup", 0.0) if time_summary else 0.0
@@ -226,7 +234,16 @@ def diagnose(gpu_samples: Sequence[dict], time_summary: dict[str, float] | None,
                 "checkpoint less often (checkpoint.every), keep checkpoint.async_write: true so writes overlap "
                 "training, write checkpoints to a fast local disk"))
 
-    busy = [s for s in gpu_samples if (s.get("util") or 0) >= BUSY_UTIL and s.get("throttle") is not None]
+    explained = any(f.cause.startswith(("input-bound", "I/O-bound")) for f in findings)
+    if ranks is not None and len(ranks) > 1:
+        return findings + rank_findings(ranks, startup, explained)
+    return findings + _gpu_rules(gpu_samples, startup, explained)
+
+
+def _gpu_rules(samples: Sequence[dict], startup: float, explained: bool) -> list[Finding]:
+    """The rules on one GPU's samples: throttling, and an under-used GPU (unless `explained` by data or checkpoints)."""
+    findings = []
+    busy = [s for s in samples if (s.get("util") or 0) >= BUSY_UTIL and s.get("throttle") is not None]
     for kind, names in (("thermal", THERMAL), ("power", POWER)):
         hit = [s for s in busy if set(s["throttle"]) & set(names)]
         if busy and len(hit) / len(busy) >= THROTTLE_SHARE:
@@ -249,14 +266,84 @@ def diagnose(gpu_samples: Sequence[dict], time_summary: dict[str, float] | None,
             findings.append(Finding(f"{kind} throttling", f"{', '.join(seen)} in {len(hit) / len(busy):.0%} of "
                                     f"busy samples{extra}{clock_text}", fix))
 
-    if util_median is not None and util_median < UNDERUSED_UTIL and not any(
-            f.cause.startswith(("input-bound", "I/O-bound")) for f in findings):
+    utils = [s["util"] for s in samples if s.get("t", 0.0) >= startup and s.get("util") is not None]
+    if utils and statistics.median(utils) < UNDERUSED_UTIL and not explained:
         findings.append(Finding(
             "GPU under-used, not by data or checkpoints",
-            f"GPU utilisation median {util_median:.0f}% over {len(utils)} samples after startup",
+            f"GPU utilisation median {statistics.median(utils):.0f}% over {len(utils)} samples after startup",
             "the GPU waits for the host between kernels: larger batches (data.tokens_per_batch), fewer "
             "micro-batches, compiled kernels; check the time breakdown for evaluation or logging"))
     return findings
+
+
+def rank_findings(ranks: dict[int, Sequence[dict]], startup: float = 0.0, explained: bool = False) -> list[Finding]:
+    """The GPU rules of a run of several processes, per rank (`ranks`: rank -> its samples, [] for a rank whose
+    monitor recorded nothing). A rule that fires on every rank is one finding, as for one GPU; one that fires on
+    some ranks only names them, since each step waits for the slowest rank: a throttled GPU sets every rank's pace.
+    A rank whose median utilisation is RANK_UTIL_GAP points below the ranks' median is named too: it idles while
+    the others compute."""
+    recorded = {r: s for r, s in sorted(ranks.items()) if s}
+    per = {r: {f.cause: f for f in _gpu_rules(s, startup, explained)} for r, s in recorded.items()}
+    findings = []
+    for cause in dict.fromkeys(c for found in per.values() for c in found):  # in rule order, each once
+        hit = [r for r in per if cause in per[r]]
+        first = per[hit[0]][cause]
+        if len(hit) == len(per):
+            every = (f"on every rank ({len(hit)})" if len(per) == len(ranks) else
+                     f"on every rank with samples ({len(hit)} of {len(ranks)})")
+            findings.append(Finding(cause, f"{every}; rank {hit[0]}: {first.evidence}", first.fix))
+            continue
+        others = [r for r in per if r not in hit]
+        pace = ("each step waits for the slowest rank, so the throttled GPU sets the pace of all ranks: "
+                if cause.endswith("throttling") else "")
+        findings.append(Finding(
+            f"{cause} on {_ranks_text(hit)}",
+            "; ".join(f"rank {r}: {per[r][cause].evidence}" for r in hit) + f"; not on {_ranks_text(others)}",
+            pace + first.fix))
+    medians = {r: statistics.median(u) for r, s in recorded.items()
+               if (u := [x["util"] for x in s if x.get("t", 0.0) >= startup and x.get("util") is not None])}
+    if len(medians) > 1:
+        middle = statistics.median(medians.values())
+        under = "GPU under-used, not by data or checkpoints"
+        low = [r for r, m in medians.items() if middle - m >= RANK_UTIL_GAP and under not in per[r]]
+        if low:
+            findings.append(Finding(
+                f"{_ranks_text(low)} less busy than the others",
+                "GPU utilisation median " + ", ".join(f"{medians[r]:.0f}% on rank {r}" for r in low)
+                + f", against {middle:.0f}% over the ranks",
+                "its GPU idles while the others compute: it has less work per step (real tokens per rank in the "
+                "Ranks section) or waits on its host (data, CPU contention, a slower PCIe/NUMA placement)"))
+    return findings
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def summarise(samples: Sequence[dict], startup: float = 0.0) -> dict:
+    """One GPU's recording in numbers (a report's per-rank table): utilisation after `startup` (mean, median), memory
+    used over the run (mean, peak, of total), power (mean of the limit), SM clock and the shares of busy samples
+    power- or thermal-throttled. A quantity no sample has is None; {"samples": 0} for no samples."""
+    def values(key: str, rows=samples) -> list:
+        return [s[key] for s in rows if s.get(key) is not None]
+
+    def mean(xs: list) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    if not samples:
+        return {"samples": 0}
+    utils = values("util", [s for s in samples if s.get("t", 0.0) >= startup])
+    busy = [s for s in samples if (s.get("util") or 0) >= BUSY_UTIL]
+    reasons = [set(s["throttle"]) for s in busy if s.get("throttle") is not None]
+    mem, totals, limits = values("mem_used_mib"), values("mem_total_mib"), values("power_limit_w")
+    return {"samples": len(samples), "gpu": next((s["gpu"] for s in samples if s.get("gpu")), None),
+            "util_mean": mean(utils), "util_median": statistics.median(utils) if utils else None,
+            "mem_mean_mib": mean(mem), "mem_peak_mib": max(mem, default=None),
+            "mem_total_mib": max(totals, default=None), "power_mean_w": mean(values("power_w")),
+            "power_limit_w": max(limits, default=None), "sm_clock_mean_mhz": mean(values("sm_clock_mhz", busy)),
+            "temp_max_c": max(values("temp_c"), default=None),
+            **{f"{kind}_share": sum(bool(r & set(names)) for r in reasons) / len(reasons) if reasons else None
+               for kind, names in (("power", POWER), ("thermal", THERMAL))}}
 
 
 def _util_around(samples: Sequence[dict], steps: Sequence[int], step_times: dict[int, float] | None,

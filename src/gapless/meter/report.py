@@ -8,12 +8,15 @@ The report only reads files; metrics.jsonl stays the source of truth. It reads:
                     the loop measures it}), evaluation records ({"step", "eval_loss", ...}) and time records
                     ({"kind": "time", ...}, see gapless.meter.timeline), checkpoint.every auto's choices
                     ({"kind": "checkpoint_interval", "step", "every", ...}, gapless.train.checkpoint_interval)
-    gpu.jsonl       GPU samples (optional; see gapless.meter.monitor)
+    gpu.jsonl       GPU samples (optional; see gapless.meter.monitor); under torchrun rank 0's, and rank r's
+                    in gpu.rank{r}.jsonl
     gap.json        the throughput gap waterfall (optional; format below)
 
 A run of several processes (training records with world_size > 1 and the per-rank meter's fields, defined in
 gapless.train.parallel) adds a "Ranks and communication" section: the slowest rank, the spread of real tokens per
-rank, the waiting for slower ranks, and exposed versus overlapped communication, over the run and per window.
+rank, the waiting for slower ranks, and exposed versus overlapped communication, over the run and per window; with
+the GPU monitor's files of several ranks, each rank's GPU too (utilisation, memory, power, clocks, throttling, the
+spread over the ranks and the outlier rank: a table and a plot), and the findings' GPU rules run per rank.
 
 report.html is one self-contained file: inline CSS, each plot a PNG in a base64 data URI, no script and
 no external resource, so it can be mailed or attached to an issue as is.
@@ -47,12 +50,13 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from gapless.meter.monitor import Finding, diagnose, load_samples
+from gapless.meter.monitor import Finding, diagnose, load_samples, summarise
 from gapless.meter.timeline import CATEGORIES, LABELS, session_totals
 
 COLORS = {"train": "#2f6db5", "eval": "#e07b28", "grid": "#e6e8eb", "up": "#3a9a5b", "down": "#c8473d",
@@ -70,7 +74,8 @@ class Run:
     train: list[dict] = field(default_factory=list)  # one per logged step (the last one written wins)
     eval: list[dict] = field(default_factory=list)
     time: list[dict] = field(default_factory=list)
-    gpu: list[dict] = field(default_factory=list)
+    gpu: list[dict] = field(default_factory=list)  # rank 0's samples (the only ones of a single process)
+    gpu_ranks: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its samples, every gpu*.jsonl read
     gap: dict | None = None
     compile: list[dict] = field(default_factory=list)  # {"kind": "compile"}: frames torch.compile gave up on
     environment: list[dict] = field(default_factory=list)  # {"kind": "environment"}: one per session
@@ -102,8 +107,10 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
         elif "loss" in r:  # a step whose loss was not finite is null in the strict JSON: a gap in the plots
             train[r["step"]] = {**r, "loss": math.nan if r["loss"] is None else r["loss"]}
     run.train = [train[s] for s in sorted(train)]
-    if (path / "gpu.jsonl").is_file():
-        run.gpu = load_samples(path / "gpu.jsonl")
+    files = {0: path / "gpu.jsonl"} | {int(m[1]): f for f in path.glob("gpu.rank*.jsonl")
+                                       if (m := re.fullmatch(r"gpu\.rank(\d+)\.jsonl", f.name))}
+    run.gpu_ranks = {r: load_samples(f) for r, f in sorted(files.items()) if f.is_file()}
+    run.gpu = run.gpu_ranks.get(0, [])
     if (path / "gap.json").is_file():
         run.gap = read_gap(path / "gap.json")
     if (path / "eval.json").is_file():
@@ -186,7 +193,8 @@ def checkpoint_steps(run: Run) -> list[int]:
 
 def findings(run: Run) -> list[Finding]:
     step_times = {r["step"]: r["elapsed_s"] for r in run.train if "elapsed_s" in r}
-    found = diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times)
+    found = diagnose(joined_sessions(run.gpu), session_totals(run.time), checkpoint_steps(run), step_times,
+                     ranks=gpu_ranks(run) or None)
     if run.compile:
         frames = sum(r.get("frames_not_compiled", 0) for r in run.compile)
         found.append(Finding(
@@ -195,6 +203,18 @@ def findings(run: Run) -> list[Finding]:
             "rerun a few steps with TORCH_LOGS=recompiles,graph_breaks to see why; a recompile limit hit means "
             "code guarding on something per layer"))
     return found
+
+
+def gpu_ranks(run: Run) -> dict[int, list[dict]]:
+    """A run of several processes with the GPU monitor's files: every rank's samples, each rank's sessions joined
+    (`joined_sessions`), [] for a rank of the run without a file or samples; {} for one process or no GPU files.
+    The ranks are those of the files and of the last training record's world_size (a run resumed at another world
+    size keeps the files of ranks it no longer has)."""
+    world = max((r.get("world_size", 1) for r in run.train[-1:]), default=1)
+    ranks = set(run.gpu_ranks) | set(range(world))
+    if not run.gpu_ranks or len(ranks) < 2:
+        return {}
+    return {r: joined_sessions(run.gpu_ranks.get(r, [])) for r in sorted(ranks)}
 
 
 def joined_sessions(samples: list[dict]) -> list[dict]:
@@ -212,6 +232,8 @@ def joined_sessions(samples: list[dict]) -> list[dict]:
 # plots: one matplotlib Figure each (no pyplot, so no global figure state), returned as PNG bytes
 
 
+OUTLIER_UTIL = 3.0  # per-rank table: a rank is named lowest in utilisation this many points under the others' mean
+OUTLIER_MEM_MIB = 512.0  # ... highest in memory this far above the lowest rank's peak
 SMALL, WIDE = 5.6, 10.2  # inches at 110 dpi: a grid cell (~535 px, shown downscaled) and the full width (~1100 px)
 
 
@@ -383,6 +405,112 @@ def ranks_section(run: Run, png: bytes | None = None) -> str:
             + _figure_html("Communication and waiting per step", png if png is not None else plot_ranks(run)))
 
 
+def _binned(samples: list[dict], key: str, width: float) -> tuple[list[float], list[float]]:
+    """The mean of `key` in bins of `width` seconds (x: each bin's middle): 8 ranks of a long run stay readable."""
+    bins: dict[int, list[float]] = {}
+    for s in samples:
+        if s.get(key) is not None:
+            bins.setdefault(int(s["t"] // width), []).append(s[key])
+    keys = sorted(bins)
+    return [(k + 0.5) * width for k in keys], [sum(bins[k]) / len(bins[k]) for k in keys]
+
+
+def plot_gpu_ranks(ranks: dict[int, list[dict]]) -> bytes:
+    """Each rank's GPU utilisation and memory used over run time, one line per rank, averaged in bins of 1/150 of
+    the run (at least 1 s)."""
+    fig, (top, bottom) = _figure(height=3.6, width=WIDE, rows=2)
+    end = max((s["t"] for samples in ranks.values() for s in samples), default=1.0)
+    width = max(end / 150, 1.0)
+    for r, samples in ranks.items():
+        if samples:
+            top.plot(*_binned(samples, "util", width), color=f"C{r % 10}", lw=1.1, label=f"rank {r}")
+            gib = [{"t": s["t"], "v": s["mem_used_mib"] / 1024} for s in samples if s.get("mem_used_mib") is not None]
+            bottom.plot(*_binned(gib, "v", width), color=f"C{r % 10}", lw=1.1)
+    top.set_ylim(0, 105)
+    top.set_ylabel("utilisation %", fontsize=9)
+    top.legend(fontsize=8, frameon=False, loc="lower left", bbox_to_anchor=(0, 1), ncol=min(len(ranks), 8))
+    bottom.set_ylim(bottom=0)
+    bottom.set_ylabel("memory used GiB", fontsize=9)
+    bottom.set_xlabel(f"run time (s), means over {width:.0f} s", fontsize=9)
+    return _png(fig)
+
+
+def gpu_ranks_section(run: Run, png: bytes | None = None) -> str:
+    """Several processes with the GPU monitor's files: one row per rank (gapless.meter.monitor.summarise), the
+    spread over the ranks and the outlier rank of utilisation, throttling and memory, and the plot per rank."""
+    ranks = gpu_ranks(run)
+    totals = session_totals(run.time)
+    stats = {r: summarise(samples, totals["startup"] if totals else 0.0) for r, samples in ranks.items()}
+    recorded = {r: x for r, x in stats.items() if x["samples"]}
+
+    def num(value, fmt: str, scale: float = 1.0) -> str:
+        return "-" if value is None else format(value * scale, fmt)
+
+    def share(x: dict, kind: str) -> str:
+        return num(x.get(f"{kind}_share"), ".0%")
+
+    rows = []
+    for r, x in stats.items():
+        if not x["samples"]:
+            rows.append(f'<tr><td>{r}</td><td colspan="8">no samples: this rank\'s monitor recorded nothing (no '
+                        'NVML there, or its file is missing)</td></tr>')
+            continue
+        rows.append(
+            f"<tr><td>{r}</td><td>{html.escape(x['gpu'] or '-')}</td><td class=\"n\">{x['samples']:,}</td>"
+            f"<td class=\"n\">{num(x['util_mean'], '.0f')} ({num(x['util_median'], '.0f')})</td>"
+            f"<td class=\"n\">{num(x['mem_mean_mib'], '.1f', 1 / 1024)} / {num(x['mem_peak_mib'], '.1f', 1 / 1024)} "
+            f"of {num(x['mem_total_mib'], '.0f', 1 / 1024)}</td>"
+            f"<td class=\"n\">{num(x['power_mean_w'], '.0f')} of {num(x['power_limit_w'], '.0f')}</td>"
+            f"<td class=\"n\">{num(x['sm_clock_mean_mhz'], '.0f')}</td>"
+            f"<td class=\"n\">{num(x['temp_max_c'], '.0f')}</td>"
+            f"<td class=\"n\">{share(x, 'power')} / {share(x, 'thermal')}</td></tr>")
+    table = ("<table><tr><th>rank</th><th>GPU</th><th>samples</th><th>utilisation % mean (median)</th>"
+             "<th>memory GiB mean / peak</th><th>power W mean</th><th>SM clock MHz (busy)</th><th>max &deg;C</th>"
+             "<th>throttled: power / thermal (busy samples)</th></tr>" + "".join(rows) + "</table>")
+    items = []
+    if len(recorded) > 1:
+        def spread(key: str, what: str, fmt: str, scale: float = 1.0, unit: str = "",
+                   apart: str = "") -> tuple[str, str] | None:
+            have = {r: x[key] * scale for r, x in recorded.items() if x.get(key) is not None}
+            if len(have) < 2:
+                return None
+            lo, hi = min(have, key=have.get), max(have, key=have.get)
+            if f"{have[lo]:{fmt}}" == f"{have[hi]:{fmt}}":
+                return what, f"{have[lo]:{fmt}}{unit} on every rank"
+            return what, (f"{have[lo]:{fmt}}{unit} (rank {lo}) to {have[hi]:{fmt}}{unit} (rank {hi}), a spread of "
+                          f"{have[hi] - have[lo]:{fmt}}{apart or unit}")
+
+        items += [spread("util_mean", "utilisation, mean per rank", ".0f", unit="%", apart=" points"),
+                  spread("mem_peak_mib", "memory peak per rank", ".1f", 1 / 1024, " GiB"),
+                  spread("power_mean_w", "power, mean per rank", ".0f", unit=" W"),
+                  spread("sm_clock_mean_mhz", "SM clock when busy, mean per rank", ".0f", unit=" MHz")]
+        utils = {r: x["util_mean"] for r, x in recorded.items() if x["util_mean"] is not None}
+        low = min(utils, key=utils.get, default=None)
+        rest = [u for r, u in utils.items() if r != low]
+        if rest and sum(rest) / len(rest) - utils[low] >= OUTLIER_UTIL:
+            items.append(("lowest utilisation", f"rank {low}: {utils[low]:.0f}% mean against "
+                                                f"{sum(rest) / len(rest):.0f}% on the other ranks"))
+        throttled = {r: (x["power_share"] or 0) + (x["thermal_share"] or 0) for r, x in recorded.items()}
+        worst = max(throttled, key=throttled.get)
+        if throttled[worst] > 0:
+            x = recorded[worst]
+            items.append(("most throttled", f"rank {worst}: power-capped in {share(x, 'power')} and thermally limited "
+                                            f"in {share(x, 'thermal')} of its busy samples; each step waits for the "
+                                            "slowest rank"))
+        peaks = {r: x["mem_peak_mib"] for r, x in recorded.items() if x["mem_peak_mib"] is not None}
+        if len(peaks) > 1 and max(peaks.values()) - min(peaks.values()) >= OUTLIER_MEM_MIB:
+            top = max(peaks, key=peaks.get)
+            above = (peaks[top] - min(peaks.values())) / 1024
+            items.append(("highest memory", f"rank {top}: peak {peaks[top] / 1024:.1f} GiB, {above:.1f} GiB above "
+                                            "the lowest rank"))
+    summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in filter(None, items))
+    plot = png if png is not None else (plot_gpu_ranks(ranks) if recorded else None)
+    return (f"<h3>GPUs per rank</h3>{table}" + (f'<table style="margin-top:10px">{summary}</table>' if summary else "")
+            + '<p class="sub">from gpu.jsonl (rank 0) and gpu.rank{r}.jsonl (rank r): utilisation after startup, '
+            "memory, power and temperature over every sample</p>"
+            + _figure_html("GPU utilisation and memory per rank", plot, "no rank recorded GPU samples"))
+
+
 def plot_gap(gap: dict) -> bytes:
     """The waterfall (the ceiling for the user's lengths, when gap.json has it, as an outlined bar before the
     baseline; the baseline; one floating bar per measured step, its delta; the final bar) and, below it, each
@@ -542,12 +670,14 @@ def plots_of(run: Run) -> dict[str, bytes | None]:
     around them after it, in milliseconds: the page then prints the last record's numbers, and that record still
     holds the run's every second."""
     grad_norms = any("grad_norm" in r for r in run.train)
+    ranks = gpu_ranks(run)
     return {"loss": plot_loss(run) if run.train else None, "lr": plot_lr(run) if run.train else None,
             "grad_norm": plot_grad_norm(run) if grad_norms else None,
             "tokens_per_s": plot_tokens_per_s(run, throughput(run)["steady"]) if run.train else None,
             "gpu": plot_gpu(joined_sessions(run.gpu)) if run.gpu else None,
             "gap": plot_gap(run.gap) if run.gap else None,
-            "ranks": plot_ranks(run) if rank_records(run) else None}
+            "ranks": plot_ranks(run) if rank_records(run) else None,
+            "gpu_ranks": plot_gpu_ranks(ranks) if any(ranks.values()) else None}
 
 
 def time_bars(totals: dict[str, float], title: str) -> str:
@@ -599,7 +729,7 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
     figures = [_figure_html("Loss", plots["loss"], none), _figure_html("Learning rate", plots["lr"], none),
                _figure_html("Gradient norm", plots["grad_norm"], "no grad_norm in the training records"),
                _figure_html("Throughput (real tokens/s)", plots["tokens_per_s"], none),
-               _figure_html("GPU utilisation and memory", plots["gpu"],
+               _figure_html("GPU utilisation and memory" + (" (rank 0)" if gpu_ranks(run) else ""), plots["gpu"],
                             "No gpu.jsonl in this run: the GPU monitor did not run (a CPU run, or NVML not available).")]
 
     if totals:
@@ -610,8 +740,11 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
         time_html = '<div class="note">No time records ({"kind": "time"}) in metrics.jsonl.</div>'
 
     gap_html = f"<h2>Throughput gap</h2>{gap_section(run.gap, plots['gap'])}" if run.gap else ""
-    ranks_html = (f"<h2>Ranks and communication</h2>{ranks_section(run, plots.get('ranks'))}"
-                  if rank_records(run) else "")
+    several = bool(gpu_ranks(run))
+    ranks_html = ("<h2>Ranks and communication</h2>"
+                  + (ranks_section(run, plots.get("ranks")) if rank_records(run) else "")
+                  + (gpu_ranks_section(run, plots.get("gpu_ranks")) if several else "")
+                  if rank_records(run) or several else "")
     eval_html = f"<h2>Evaluations (gapless eval)</h2>{eval_section(run.evals)}" if run.evals else ""
 
     env = run.environment[-1] if run.environment else {}
@@ -620,7 +753,8 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
                           ) or "<p class='note'>no config.yaml</p>"
     name = html.escape(run.path.resolve().name)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    sources = ", ".join(["metrics.jsonl"] + ["gpu.jsonl"] * bool(run.gpu) + ["gap.json"] * bool(run.gap))
+    sources = ", ".join(["metrics.jsonl"] + ["gpu.jsonl"] * bool(run.gpu)
+                        + ["gpu.rank*.jsonl"] * bool(set(run.gpu_ranks) - {0}) + ["gap.json"] * bool(run.gap))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>gapless report: {name}</title><style>{CSS}</style></head>
 <body><main>

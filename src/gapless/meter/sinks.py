@@ -13,6 +13,8 @@ Tags: train/{TRAIN_KEYS} and eval/loss at the record's optimizer step; time/<cat
 accounting, gapless.meter.timeline) at the step of each time record; gpu/{GPU_KEYS} against run time (TensorBoard:
 x = milliseconds since the run's start, a resumed run's sessions one after the other; W&B: against gpu/t_s, in
 seconds). A value that is null or not finite (a diverged step's loss) is left out, as metrics.jsonl writes it null.
+Under torchrun, gpu/* is rank 0's GPU (the live sinks are rank 0's); the replay adds rank r's samples
+(gpu.rank{r}.jsonl) as gpu/rank{r}/{GPU_KEYS} on the same time axis.
 
 W&B: offline by default (files under RUN/wandb/offline-run-*, no network, no account; `wandb sync
 RUN/wandb/offline-run-*` uploads them later); online only when asked. W&B steps must increase and a GPU sample has
@@ -56,8 +58,10 @@ def scalars(record: dict) -> dict[str, float]:
     return {tag: v for tag, v in values.items() if _number(v)}
 
 
-def gpu_scalars(sample: dict) -> dict[str, float]:
-    return {f"gpu/{k}": sample[k] for k in GPU_KEYS if _number(sample.get(k))}
+def gpu_scalars(sample: dict, rank: int = 0) -> dict[str, float]:
+    """gpu/<key> of rank 0's sample, gpu/rank<r>/<key> of rank r's."""
+    prefix = "gpu/" if rank == 0 else f"gpu/rank{rank}/"
+    return {f"{prefix}{k}": sample[k] for k in GPU_KEYS if _number(sample.get(k))}
 
 
 def require(names, where: str = "train.report_to") -> None:
@@ -90,9 +94,9 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()  # a TensorBoard reading the folder sees it now (a record every log_every steps)
 
-    def gpu(self, sample: dict) -> None:
+    def gpu(self, sample: dict, rank: int = 0) -> None:
         """From the monitor's thread too: SummaryWriter queues events behind a lock."""
-        for tag, value in gpu_scalars(sample).items():
+        for tag, value in gpu_scalars(sample, rank).items():
             self.writer.add_scalar(tag, value, int((sample["t"] + self.gpu_offset_s) * 1000))
 
     def close(self, failed: bool = False) -> None:
@@ -123,9 +127,9 @@ class WandbSink:
         if values:  # the records of one step (train, eval, time) merge into its row; a later step commits it
             self.run.log(values, step=record["step"])
 
-    def gpu(self, sample: dict) -> None:
+    def gpu(self, sample: dict, rank: int = 0) -> None:
         if not self.live:  # live, a sample without a step would move W&B's step past the next record's
-            self.run.log({"gpu/t_s": sample["t"], **gpu_scalars(sample)}, commit=True)
+            self.run.log({"gpu/t_s": sample["t"], **gpu_scalars(sample, rank)}, commit=True)
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)  # a failed run shows as failed in W&B
@@ -183,13 +187,15 @@ def open_sinks(names, run_dir: Path, wandb_config=None, config: dict | None = No
 
 
 def replay(run: Run, sink) -> None:
-    """A run folder's records (read_run) through `sink`, in step order, then its GPU samples; closes the sink."""
+    """A run folder's records (read_run) through `sink`, in step order, then its GPU samples (rank 0's, then each
+    other rank's); closes the sink."""
     try:
         # a stable sort: at one step the training record, then evaluation, then time (W&B steps must increase)
         for record in sorted([*run.train, *run.eval, *run.time], key=lambda r: r["step"]):
             sink.write(record)
-        for sample in joined_sessions(run.gpu):
-            sink.gpu(sample)
+        for rank, samples in run.gpu_ranks.items():
+            for sample in joined_sessions(samples):
+                sink.gpu(sample, rank)
     finally:
         sink.close()
 
