@@ -138,6 +138,7 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
             "breakdown": {"imports_config": parts["imports_config"], "load": parts["model"], "data": parts["data"],
                           "other": parts["other"], "first_step": parts["first_step"],
                           "compile": startup["compile_s"]},
+            "compile_caches": startup.get("compile_caches", {}),
             "peak_gib": startup["peak_gib"], "host_peak_gib": round(startup["host_peak_gib"], 3),
             "process_s": round(wall, 3)}
 
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = run_once(name, command, env, run_dir, work / f"{name}.log")
         r = results[name]
         print(f"[startup] {name}: {r['outside_s']:.1f} s to the end of step 1 (outside clock; inside "
-              f"{r['inside_s']:.1f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items()), flush=True)
+              f"{r['inside_s']:.1f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items())
+              + f"; compile caches {r['compile_caches'] or 'unused'}", flush=True)
 
     cold, warm = results["cold"], results["warm"]
     peaks = [r["peak_gib"] for r in (cold, warm) if r["peak_gib"] is not None]

@@ -75,6 +75,29 @@ def test_compile_layers_keeps_inductor_caches_in_gaplesss_cache_folder(monkeypat
     assert use_compile_cache() == tmp_path
 
 
+def test_cache_counts_tell_a_cold_compile_from_a_warm_one(monkeypatch, tmp_path):
+    """The startup record's compile_caches: misses the first time a graph compiles into an empty cache folder, hits
+    when the same graph compiles again (a second run, here after dynamo's reset)."""
+    from torch._dynamo.utils import counters
+
+    from gapless.train.compile import cache_counts
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def compile_once() -> dict:
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(lambda x: (x.cos() * 3).sum())
+        f(torch.randn(8, requires_grad=True)).backward()
+        return cache_counts()
+
+    cold, warm = compile_once(), compile_once()
+    assert cold.get("fxgraph_cache_miss", 0) > 0 and "fxgraph_cache_hit" not in cold
+    assert warm.get("fxgraph_cache_hit", 0) > 0 and "fxgraph_cache_miss" not in warm
+    assert warm.get("autograd_cache_hit", 0) > 0
+    torch._dynamo.reset()
+
+
 def test_one_graph_per_distinct_layer_whatever_the_depth():
     """A compiled Llama compiles one graph per distinct layer, not per layer: layer 0 (its input, the frozen
     embedding's output, needs no gradient) and the rest, at 2 layers as at 4; evaluation (no autograd) adds one more,

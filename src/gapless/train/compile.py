@@ -59,6 +59,18 @@ def not_compiled_message(count: int) -> str:
             "back from): the compiled layers are partly eager. TORCH_LOGS=recompiles,graph_breaks shows why.")
 
 
+def cache_counts() -> dict[str, int]:
+    """How this process's compiles used torch's caches: inductor's FX-graph cache and AOTAutograd's cache, hits,
+    misses and bypasses (dynamo's counters; empty where they are absent). A warm start whose compiles still take
+    long reads here whether the caches were hit."""
+    from torch._dynamo.utils import counters
+
+    names = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+             "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+    return {name: int(counters[group][name]) for group, keys in names.items() for name in keys
+            if counters[group][name]}
+
+
 def compile_seconds() -> float:
     """Seconds torch.compile has spent compiling in this process: dynamo's own timer of each frame's compile
     (`_compile.compile_inner`: tracing, AOTAutograd, inductor's code generation or its cache load; the backward
