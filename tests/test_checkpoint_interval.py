@@ -120,8 +120,11 @@ def test_auto_writes_at_the_interval_the_formula_gives(base, timed, tmp_path):
         want = max(math.ceil(r["save_s"] / (SHARE * r["step_s"])), 2,
                    *([math.ceil(r["write_s"] / r["step_s"])] if r["write_s"] is not None else []))
         assert r["every"] == want and r["share"] <= SHARE and r["formula"].endswith(f"= {want}"), r
-    # the first real save re-resolves from its measured blocking time, recorded only when it changes the interval
-    assert all("measured" in r["source"] for r in records[1:]) and len(records) <= 2
+    # the first real save re-resolves from its measured blocking time, recorded only when it changes the interval;
+    # on a loaded machine a later save may wait for the previous write and widen it again (recorded as such)
+    assert all("measured" in r["source"] for r in records[1:])
+    assert sum("blocked the loop" in r["source"] for r in records[1:]) <= 1
+    assert all("waited" in r["source"] for r in records[1:] if "blocked the loop" not in r["source"])
     # checkpoints at the multiples of the interval in force, and at the last step; the report finds the same steps
     expected = checkpoint_steps(read_run(result.run_dir))
     assert saved_steps(result.run_dir) == expected and expected[-1] == 14
