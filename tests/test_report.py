@@ -258,6 +258,11 @@ def test_checkpoint_steps_follow_auto_choices():
     assert checkpoint_steps(short) == [3]
     assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 20}}, train=train)) == [20, 40, 60]
     assert checkpoint_steps(Run(Path("."), {"checkpoint": {"every": 0}}, train=train)) == []
+    from gapless.meter.report import checkpoint_every_text
+
+    assert checkpoint_every_text("auto", auto.intervals) == "auto: 10 from step 4, 25 from step 10"
+    assert checkpoint_every_text("auto", short.intervals) == "auto"  # nothing chosen: the run ended first
+    assert checkpoint_every_text(20, []) == 20
 
 
 def make_ranks(run: Path, world: int = 3) -> Path:

@@ -617,7 +617,14 @@ def _figure_html(title: str, png: bytes | None, note: str = "") -> str:
     return f"<figure><figcaption>{html.escape(title)}</figcaption>{body}</figure>"
 
 
-def _config_rows(config: dict) -> list[tuple[str, str]]:
+def checkpoint_every_text(every, intervals: list[dict]) -> object:
+    """checkpoint.every as the run used it: auto with the intervals it chose (metrics.jsonl's checkpoint_interval
+    records: "auto: 10 from step 4, 25 from step 10"), else the config's value."""
+    chosen = [f"{r['every']} from step {r['step']}" for r in intervals if r.get("every")]
+    return f"auto: {', '.join(chosen)}" if every == "auto" and chosen else every
+
+
+def _config_rows(config: dict, intervals: list[dict] = ()) -> list[tuple[str, str]]:
     def get(dotted: str):
         node = config
         for key in dotted.split("."):
@@ -642,7 +649,8 @@ def _config_rows(config: dict) -> list[tuple[str, str]]:
             ("max_seq_len", get("data.max_seq_len")), ("grad_accum", get("train.grad_accum")),
             ("steps / epochs", _join(get("train.steps") or "-", get("train.epochs"))),
             ("optimizer lr", get("optim.lr")), ("schedule", _join(get("schedule.kind"), _warmup(config), sep=", ")),
-            ("checkpoint every", get("checkpoint.every")), ("seed", get("train.seed"))]
+            ("checkpoint every", checkpoint_every_text(get("checkpoint.every"), list(intervals))),
+            ("seed", get("train.seed"))]
     return [(k, f"{v:g}" if isinstance(v, float) else str(v)) for k, v in rows if v is not None]
 
 
@@ -749,7 +757,7 @@ def render(run: Run, plots: dict[str, bytes | None] | None = None) -> str:
 
     env = run.environment[-1] if run.environment else {}
     config_html = "".join(f"<div><span>{html.escape(k)}</span><span>{html.escape(v)}</span></div>"
-                          for k, v in _config_rows({**run.config, "environment": env})
+                          for k, v in _config_rows({**run.config, "environment": env}, run.intervals)
                           ) or "<p class='note'>no config.yaml</p>"
     name = html.escape(run.path.resolve().name)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
