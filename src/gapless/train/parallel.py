@@ -43,9 +43,10 @@ The meter, per rank and aggregated (`aggregate`, at log points only; nothing her
              the log point.
 FSDP2 all-gathers and reduce-scatters inside its own hooks, interleaved with compute, with no hook to time them:
 there comm_exposed_s and comm_overlapped_s are null and `comm_measured` says so; the waiting counts the barrier only.
-Tested with gloo on the CPU (tests/test_dist_comm.py). The CUDA-event marks ran only in a standalone copy of this
-hook (NCCL, one H100, world size 1, DDP over 8 Linear layers in 8 buckets: every step closed, tails of ~10 us);
-the training loop's CUDA path has not run on a GPU yet.
+Tested with gloo on the CPU (tests/test_dist_comm.py). On a GPU: a standalone copy of this hook (NCCL, one H100,
+world size 1, DDP over 8 Linear layers in 8 buckets: every step closed, tails of ~10 us), and the loop's CUDA path
+through `pytest -m gpu tests/test_dist.py` (a real `gapless train` under torchrun on NCCL at world size 1, DDP and
+FSDP2: 2 passed, bench/RESULTS.md seventh round). Several GPUs have not run it yet.
 
 Failures: torchrun's agent ends every rank when one exits with an error (and `gapless.cli` is wrapped in its
 `record`, so the failing rank's traceback is what torchrun reports); a rank stuck in a collective fails after
