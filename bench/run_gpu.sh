@@ -12,7 +12,7 @@
 #                                  Llama-3.2-1B LoRA/QLoRA/full for the memory model's check (bench/memory_check.py)
 #   bash bench/run_gpu.sh methods4 QLoRA beside LoRA on Llama-3.2-3B, 8B QLoRA with checkpointing at 8,192 tokens, what
 #                                  each recipe saves for backward per 8B layer, every GPU test
-#   bash bench/run_gpu.sh gemma    Gemma-3-4B best and Llama-3.2-3B best at the same tokens per step (GEMMA_TOKENS,
+#   bash bench/run_gpu.sh gemma    Gemma-3-4B and Llama-3.2-3B default at the same tokens per step (GEMMA_TOKENS,
 #                                  8,192), each beside HF+PEFT (+Liger) built from the same config.json
 #                                  (bench/peers --model-config); the Gemma GPU tests if time is left. Needs the H200
 #                                  (HF+PEFT without Liger on Gemma-3-4B: ~110 GiB at 8,192 tokens)
@@ -20,6 +20,9 @@
 #                                  written first; carry ../shared/data/messages as .carry/messages and
 #                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
 #                                  reading threads (bench/load_time.py) and the loading GPU test
+#   bash bench/run_gpu.sh default  fast2's targets: `default` on Llama-3.2-3B (and with dropout 0.05) beside HF+PEFT+Liger,
+#                                  on Llama-3.1-8B (TOKENS_8B, 16,384) and Llama-3.2-1B, then best_fa4_concat; carry
+#                                  flash-attn-4's wheels (.whl/fa4*/, see below) for the fa4_op default
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -37,6 +40,19 @@ PEERS=packed_sdpa
 if compgen -G ".whl/liger/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" && PEERS=packed_sdpa,packed_liger
+fi
+# flash-attn-4 (what gapless[gpu] adds: `attn_backend: auto` then picks fa4_op), carried as wheels in .whl/fa4*/. Its
+# 92 MB cu13 library wheel is more than one call carries: split it (`split -b 46m WHEEL WHEEL.part.`), carry the parts
+# in calls back to back (the machine stays warm for 30 s); each call stashes what it carried in /root/stash, and the
+# call that has every part joins them and installs the lot into /tmp/site (shared/peers/README.md)
+if compgen -G ".whl/fa4*/*" > /dev/null; then
+  mkdir -p /root/stash && cp .whl/fa4*/* /root/stash/
+  if compgen -G "/root/stash/flash_attn_4-*.whl" > /dev/null && [[ -f /root/stash/parts ]] \
+      && (( $(ls /root/stash/*.whl.part.* | wc -l) == $(cat /root/stash/parts) )); then
+    for first in /root/stash/*.whl.part.aa; do cat "${first%.aa}".* > "${first%.part.aa}"; done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
+  fi
 fi
 QPEERS=""  # the seed's HF+PEFT+bitsandbytes QLoRA (bench/peers/hf_peft_bench.py) where the wheel was carried
 if compgen -G ".whl/bnb/*.whl" > /dev/null; then
@@ -84,6 +100,16 @@ elif [[ $MODE == startup ]]; then
   timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 1,8 --repeats 2 --cold \
     2>&1 | tee "$OUT/load_time.log"
   timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
+elif [[ $MODE == default ]]; then
+  # issue fast2's targets: `default`, what a default config resolves to here (fa4_op where flash-attn-4 was carried,
+  # the row's attn says), on Llama-3.2-3B beside HF+PEFT+Liger packed, with LoRA dropout 0.05, on Llama-3.1-8B and
+  # Llama-3.2-1B, then LoRA inside the base GEMMs (best_fa4_concat) if time is left. Reserves: a 3B config ~100 s,
+  # the peer ~70 s, 8B ~130 s, 1B ~70 s
+  bench 380 --model $M3 --config default,default_dropout
+  bench 300 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}"
+  bench 120 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-16384}"
+  bench 30 --model bench/models/llama-3.2-1b --config default
+  bench 0 --model $M3 --config best_fa4_concat
 elif [[ $MODE == methods ]]; then
   # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
   bench 120 --model $M3 --config qlora_best,full_best,best_dropout,best
@@ -112,10 +138,10 @@ elif [[ $MODE == gemma ]]; then
   # (compile ~60-90 s), each HF+PEFT peer ~60 s
   G4=bench/models/gemma-3-4b
   TOK=${GEMMA_TOKENS:-8192}
-  bench 340 --model $G4 --config best --tokens-per-batch "$TOK" --profile-steps 0
+  bench 340 --model $G4 --config default --tokens-per-batch "$TOK" --profile-steps 0
   bench 220 --model $G4 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs $PEERS \
     --peers-args="--model-config $G4"
-  bench 120 --model $M3 --config best --tokens-per-batch "$TOK" --profile-steps 0
+  bench 120 --model $M3 --config default --tokens-per-batch "$TOK" --profile-steps 0
   bench 0 --model $M3 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs $PEERS \
     --peers-args="--model-config $M3"
   if (( $(left 0) > 60 )); then

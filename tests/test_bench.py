@@ -268,3 +268,21 @@ def test_our_peer_builds_the_model_of_model_config_and_gets_its_mfu(setup):
     (row,) = rows(setup)
     assert row["error"] is None and row["peer_result"]["arch"]["hidden_size"] == TINY["hidden_size"]
     assert "mfu_note" not in row and 0 < row["mfu"] < 1
+
+
+def test_default_recipe_is_what_a_default_config_resolves_to():
+    """`default` must stay what `gapless train` runs when a config names only its model and data."""
+    from gapless.bench import resolve_attn
+    from gapless.config import DataConfig, ModelConfig
+    from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
+    from gapless.model.loading import model_args_from_config
+
+    recipe, model, data, lora = CONFIGS["default"], ModelConfig(path="m"), DataConfig(sources=[]), LoraConfig()
+    assert (recipe.batching, recipe.attn, recipe.lora_kernel, recipe.lora_dropout, recipe.checkpoint) == \
+        (data.batching, model.attn_backend, lora.kernel, lora.dropout, bool(model.activation_checkpointing))
+    assert model.compile == "auto" and recipe.compile and recipe.loss == "fused_compiled"  # auto: on with CUDA
+    assert recipe.loss_chunk == DEFAULT_CHUNK_SIZE and recipe.method == "lora"
+    assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
+    args = model_args_from_config(TINY)
+    assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"
+    assert resolve_attn(CONFIGS["best"], args, torch.device("cpu"), torch.float32) == ("varlen", "")

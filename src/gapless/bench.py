@@ -71,7 +71,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -81,6 +81,7 @@ import torch
 from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict
 from gapless.data.batching import Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
+from gapless.kernels.attention import choose_backend
 from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
@@ -149,6 +150,13 @@ CONFIGS = {
     # with [W; A] per group of projections, forward and for dx; the default stays grouped until these measure faster
     "best_concat": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="concat"),
     "best_fa4_concat": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="concat"),
+    # exactly what a default config (gapless.config.RunConfig()) resolves to on this machine: packed rows, the
+    # attention backend `attn_backend: auto` picks (fa4_op where flash-attn-4 imports, i.e. with gapless[gpu], varlen
+    # otherwise; the row says which), the fused loss compiled, compiled layers, grouped LoRA. tests/test_bench.py
+    # holds this recipe to the config's defaults; default_dropout is the seed's recipe (lora.dropout 0.05) on it
+    "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
+    "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
+                              lora_dropout=0.05),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
@@ -157,7 +165,7 @@ LADDER = ("pad_to_max_ckpt", "dyn_pad", "packed", "packed_fused", "packed_fused_
 # Seconds a configuration's first steps may take beyond its timed steps, for --time-limit-s: flex's first call
 # compiled for 201 s on the H200 (bench/kernels_h200.jsonl); a compiled decoder layer, forward and backward,
 # is budgeted at 90 s.
-FIRST_CALL_S = {"flex": 220.0, "fa4_op": 30.0, "compile": 90.0}
+FIRST_CALL_S = {"flex": 220.0, "fa4_op": 30.0, "auto": 30.0, "compile": 90.0}
 PEER_MAX_SEQ = 4096  # hf_peft_bench.py caps every document at 4096 tokens
 PEER_FIRST_CALL_S = 30.0  # imports and building the model
 
@@ -172,6 +180,7 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     (gapless.train.assemble: built on meta, the method, checkpointing, compile, then the weights), and the recipe's
     loss."""
     lora = LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout)
+    recipe = replace(recipe, attn=resolve_attn(recipe, args, device, dtype)[0])
     method = {"lora": lambda: Lora(lora), "qlora": lambda: Qlora(lora, dtype), "full": Full}[recipe.method]()
     with torch.device("meta"):
         model = CausalLM(args, attn_backend=recipe.attn)
@@ -180,6 +189,15 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     model.loss_chunk_size = None if recipe.loss == "materialised" else recipe.loss_chunk
     model.loss_compiled = recipe.loss == "fused_compiled"
     return model, method
+
+
+def resolve_attn(recipe: Recipe, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(backend, why): the recipe's attention, with "auto" chosen as a run chooses it (gapless.train.loop.resolve_auto
+    through kernels.attention.choose_backend); why is "" for a named backend."""
+    if recipe.attn != "auto":
+        return recipe.attn, ""
+    return choose_backend(device, dtype, recipe.batching == "packed", softcap=args.attn_softcap is not None,
+                          head_dim=args.head_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +341,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
     warm, timed, profile = (batches[:opts.warmup], batches[opts.warmup:opts.warmup + opts.steps],
                             batches[opts.warmup + opts.steps:])
 
+    attn, attn_why = resolve_attn(recipe, ctx.args, device, ctx.dtype)
     model, method = build_model(ctx.args, recipe, device, ctx.dtype, opts.lora_r)
     lora = getattr(method, "cfg", None)  # None for full fine-tuning
     frames_failed_before = frames_not_compiled()
@@ -377,7 +396,7 @@ def run_config(ctx: Context, name: str, recipe: Recipe) -> dict:
         step_ms=round(seconds * 1e3 / len(timed), 2),
         fwd_ms=round(phases[0], 2) if profile else None, bwd_ms=round(phases[1], 2) if profile else None,
         opt_ms=round(phases[2], 2) if profile else None,
-        recipe=asdict(recipe), describe=recipe.describe(), data=ctx.data, dtype=str(ctx.dtype).replace("torch.", ""),
+        recipe=asdict(recipe), describe=replace(recipe, attn=attn if attn == recipe.attn else f"auto: {attn}").describe(), attn=attn, attn_why=attn_why or None, data=ctx.data, dtype=str(ctx.dtype).replace("torch.", ""),
         steps=len(timed), warmup=len(warm), profile_steps=len(profile), tokens_per_batch=opts.tokens_per_batch,
         max_seq_len=opts.max_seq_len, method=recipe.method,
         lora=lora and {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.target_modules)},
