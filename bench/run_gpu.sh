@@ -21,7 +21,8 @@
 #                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
 #                                  reading threads (bench/load_time.py) and the loading GPU test
 #   bash bench/run_gpu.sh default  fast2's targets: `default` on Llama-3.2-3B (and with dropout 0.05) beside HF+PEFT+Liger,
-#                                  on Llama-3.1-8B (TOKENS_8B, 16,384) and Llama-3.2-1B, then best_fa4_concat; carry
+#                                  on Llama-3.1-8B (TOKENS_8B, 16,384) and Llama-3.2-1B, the elementwise pieces against
+#                                  Liger (bench/elementwise_gpu.py), then best_fa4_concat; carry
 #                                  flash-attn-4's wheels (.whl/fa4*/, see below) for the fa4_op default
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
@@ -108,7 +109,10 @@ elif [[ $MODE == default ]]; then
   bench 380 --model $M3 --config default,default_dropout
   bench 300 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}"
   bench 120 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-16384}"
-  bench 30 --model bench/models/llama-3.2-1b --config default
+  bench 100 --model bench/models/llama-3.2-1b --config default
+  # the elementwise pieces as compiled against Liger's kernels (item 4), then LoRA inside the base GEMMs
+  timeout -k 10 $(( $(left 60) > 20 ? $(left 60) : 20 )) "$PY" bench/elementwise_gpu.py --out "$OUT/elementwise.jsonl" \
+    2>&1 | tee "$OUT/elementwise.txt"
   bench 0 --model $M3 --config best_fa4_concat
 elif [[ $MODE == methods ]]; then
   # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
