@@ -12,7 +12,8 @@ The mask the kernels drew is materialised by keep_mask below, a kernel that call
 rule both kernels use) over blocks of other sizes than theirs, so its agreement also checks that a mask does not
 depend on the tiling. Tolerances: float32 under the interpreter sums in another order than torch (dA over splits of
 N), ~1e-6 relative; asked 1e-5 of each element plus 1e-5 of the tensor's largest (dA's sums of ~100 terms of ~20
-cancel to ~0.5 in places, where 1e-5 of the element alone is below float32's rounding of the terms). bf16 against the float32 formula as in tests/test_kernels_lora.py: ~3e-3, bound 1e-2.
+cancel to ~0.5 in places, where 1e-5 of the element alone is below float32's rounding of the terms). bf16 against
+the float32 formula as in tests/test_kernels_lora.py: ~3e-3, bound 1e-2.
 """
 import math
 import os
