@@ -50,7 +50,8 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, threshold, scale
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                     other=0.0)
-        x = tl.where(keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS), x, 0.0)
+        keep = keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
+        x = tl.where(keep, x, tl.zeros_like(x))
         a = tl.load(a_ptr + rs[None, :] * K + cols[:, None], mask=(rs[None, :] < R) & (cols[:, None] < K),
                     other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_R], A^T
         if IEEE:
@@ -87,10 +88,11 @@ def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, 
                           N_ROUNDS)
         dxa = tl.load(dxa_ptr + rows[:, None] * R + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < R),
                       other=0.0)  # [BLOCK_M, BLOCK_R]
+        x = tl.where(keep, x, tl.zeros_like(x))
         if IEEE:
-            acc = tl.dot(tl.trans(dxa), tl.where(keep, x, 0.0), acc, input_precision="ieee")
+            acc = tl.dot(tl.trans(dxa), x, acc, input_precision="ieee")
         else:
-            acc = tl.dot(tl.trans(dxa), tl.where(keep, x, 0.0), acc)
+            acc = tl.dot(tl.trans(dxa), x, acc)
         if NEED_DX:
             if IEEE:
                 dx = tl.dot(dxa, a, input_precision="ieee")
