@@ -89,6 +89,19 @@ def test_lora_dropout_masks_by_hand():
     assert est.allocated_gib == pytest.approx(56.79, rel=0.05)
 
 
+def test_lora_dropout_fused_keeps_no_masks():
+    """Fused LoRA dropout (method lora on CUDA with triton, gapless.kernels.lora_dropout) keeps a seed, not a mask;
+    QLoRA's layers keep the torch path and their masks."""
+    def activations(method, **kw):
+        return _rows(estimate_memory(TINY, method, tokens=100, **kw))["activations"]
+
+    off = activations("lora")
+    assert activations("lora", lora_dropout=0.05, lora_dropout_fused=True) == off
+    assert activations("lora", lora_dropout=0.05) - off == pytest.approx(100 * 2 * 320)
+    assert activations("qlora", lora_dropout=0.05, lora_dropout_fused=True) - activations("qlora") == \
+        pytest.approx(100 * 2 * 320)
+
+
 @pytest.mark.parametrize("model, chunk, measured", [
     ("llama-3.2-1b", 4096, 24.23), ("llama-3.2-3b", 4096, 48.24), ("llama-3.2-3b", 2048, 46.78),
     ("llama-3.1-8b", 4096, 87.07),

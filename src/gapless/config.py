@@ -32,7 +32,8 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #   "grouped"    the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up):
 #                each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
 #                479.9 ms per step against 497.3 for "reference" (varlen attention), 449.7 against 471.9 with
-#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default. With dropout, one mask per group.
+#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default. With dropout, one mask per group
+#                (on CUDA with triton drawn inside the fused A-matmul kernels, gapless.kernels.lora_dropout).
 #   "reference"  the plain formula autograd differentiates, one layer at a time (PEFT's: a mask per projection).
 # ("fused", the update inside the base GEMMs as one autograd.Function, measured slower, 518.7 ms against 501.2,
 # and was removed.)
@@ -46,7 +47,7 @@ LoraKernel = Literal["grouped", "reference", "concat"]
 class LoraConfig:
     r: int = 16  # the rank of each adapter (A: r x in, B: out x r)
     alpha: float = 32.0  # the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)
-    dropout: float = 0.0  # dropout on the adapter's input in training; > 0 runs the per-layer formula
+    dropout: float = 0.0  # dropout on the adapter's input in training; on CUDA drawn inside Triton, no mask kept
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False

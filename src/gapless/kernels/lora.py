@@ -16,6 +16,11 @@ ms for the reference, bench/RESULTS.md run 20261203T144848Z-9d4119: torch.compil
 removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_concat differs from it: the B
 matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
 neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
+
+Dropout: `dropout` is what LoraLinear holds (an nn.Dropout, or nn.Identity at p = 0) or any callable on x. An
+nn.Dropout in training on a CUDA tensor with triton importable runs the A matmul fused
+(gapless.kernels.lora_dropout: the mask drawn in registers from a seed, never stored; its docstring says exactly how
+masks are drawn); anything else runs dropout(x) and the A matmul in torch, as before.
 """
 from __future__ import annotations
 
@@ -25,16 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gapless.kernels.lora_dropout import fused_dropout_applies, lora_dropout_a
+
 
 def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                           scaling: float, dropout: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """The plain-PyTorch formula, x W^T + b + scaling * B A dropout(x), differentiated by autograd.
 
-    The reference that the grouped form is tested against, and the path of the layers that run alone.
+    The reference that the grouped form is tested against, and the path of the layers that run alone (o_proj,
+    down_proj), where an nn.Dropout in training on CUDA runs fused (module docstring) and saves no mask.
     """
-    xd = x if dropout is None else dropout(x)
-    update = F.linear(F.linear(xd, lora_a.to(x.dtype)), lora_b.to(x.dtype))  # [..., r] then [..., out]
-    return F.linear(x, weight, bias) + update * scaling
+    if fused_dropout_applies(x, dropout):
+        xa = lora_dropout_a(x, [lora_a], dropout.p)  # [..., r]
+    else:
+        xd = x if dropout is None else dropout(x)
+        xa = F.linear(xd, lora_a.to(x.dtype))  # [..., r]
+    return F.linear(x, weight, bias) + F.linear(xa, lora_b.to(x.dtype)) * scaling  # update [..., out]
 
 
 def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
@@ -49,11 +60,16 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
 
     Dropout: ONE mask for the group, drawn once on x and shared by its layers' A matmuls (PEFT draws one per
     projection: the same keep probability and scaling for every element, so the same expected update, but a
-    different sample). Each layer's output equals lora_linear_reference under that same mask exactly.
+    different sample). Each layer's output equals lora_linear_reference under that same mask exactly. An
+    nn.Dropout in training on CUDA runs fused: the same one mask per group, drawn in the kernel (module docstring).
     """
-    xd = x if dropout is None else dropout(x)
-    a = torch.cat([lora_a.to(x.dtype) for lora_a in lora_as])  # [sum r, in]
-    xas = F.linear(xd, a).split([lora_a.shape[0] for lora_a in lora_as], dim=-1)  # each [..., r]
+    ranks = [lora_a.shape[0] for lora_a in lora_as]
+    if fused_dropout_applies(x, dropout):
+        xas = lora_dropout_a(x, list(lora_as), dropout.p).split(ranks, dim=-1)  # each [..., r]
+    else:
+        xd = x if dropout is None else dropout(x)
+        a = torch.cat([lora_a.to(x.dtype) for lora_a in lora_as])  # [sum r, in]
+        xas = F.linear(xd, a).split(ranks, dim=-1)  # each [..., r]
     return [F.linear(x, w, b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
             for w, b, xa, lora_b, scaling in zip(weights, biases, xas, lora_bs, scalings)]
 

@@ -42,7 +42,10 @@ over the hidden size for q/k/v and one for gate/up, with reference one per proje
 each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B layer, /tmp script over
 bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and [N, 8192], one mask fewer
 than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this predicts as 54.19 (-4.6%),
-where the prediction without the masks was 46.75 (-17.7%).
+where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs fused (method lora on a CUDA
+device with triton: gapless.kernels.lora_dropout draws the mask in its kernels from an 8-byte seed, forward and
+backward, and saves only x, which the A gradient keeps anyway) no mask is kept and none is counted
+(lora_dropout_fused); QLoRA's layers keep the torch path and their masks.
 """
 from __future__ import annotations
 
@@ -111,7 +114,7 @@ class MemoryEstimate:
 def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "bfloat16", lora_r: int = 16,
                     lora_targets: Sequence[str] = ALL_LINEAR, activation_checkpointing: int = 0,
                     loss_chunk: int = 2048, compiled: bool = True, shards: int = 1, lora_dropout: float = 0.0,
-                    lora_kernel: str = "grouped") -> MemoryEstimate:
+                    lora_kernel: str = "grouped", lora_dropout_fused: bool = False) -> MemoryEstimate:
     """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring), on one GPU.
 
     activation_checkpointing: 0 = off, k = every k-th layer checkpointed (model.activation_checkpointing).
@@ -120,7 +123,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     state by `shards`, and all-gathers whole layers only while they compute: one layer's parameters in the compute
     dtype for the layer running and one for the layer prefetched (FSDP2's default prefetch of one). Activations and
     the loss are per micro-batch: `tokens` is this GPU's micro-batch (the global batch / GPUs), not sharded.
-    lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full.
+    lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full, and none for
+    method lora when lora_dropout_fused (the fused kernels keep a seed, not a mask: module docstring).
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {list(METHODS)}")
@@ -158,7 +162,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     layer = (ACT_BYTES_PER_HIDDEN * D + ACT_BYTES_PER_INTERMEDIATE * args.intermediate_size) * e / 2
     if not compiled:
         layer *= EAGER_ACTIVATION_FACTOR
-    masks = dropout_mask_bytes(args, lora_targets, lora_kernel) if lora_dropout > 0 and method != "full" else 0
+    keeps_masks = lora_dropout > 0 and (method == "qlora" or method == "lora" and not lora_dropout_fused)
+    masks = dropout_mask_bytes(args, lora_targets, lora_kernel) if keeps_masks else 0
     layer += masks
     checkpointed = len(range(0, L, activation_checkpointing)) if activation_checkpointing else 0
     act_per_token = (L - checkpointed) * layer + checkpointed * D * e + (layer if checkpointed else 0)
@@ -212,10 +217,13 @@ def max_tokens(args: ModelArgs, method: str, budget_gib: float, **kwargs) -> int
 def estimate_kwargs(cfg, compiled: bool | None = None) -> dict:
     """estimate_memory's keyword arguments for a RunConfig. compiled: None = as on a GPU, where model.compile auto
     compiles (pass False for a CPU run)."""
+    from gapless.kernels.lora_dropout import fused_dropout_available
     from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 
     return {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
             "lora_dropout": cfg.lora.dropout, "lora_kernel": cfg.lora.kernel,
+            # this machine's answer: a plan made on a CPU machine for a GPU run counts the masks (an overestimate)
+            "lora_dropout_fused": fused_dropout_available(),
             "activation_checkpointing": cfg.model.activation_checkpointing,
             "compiled": cfg.model.compile is not False if compiled is None else compiled,
             "loss_chunk": DEFAULT_CHUNK_SIZE}

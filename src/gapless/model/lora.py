@@ -79,8 +79,9 @@ class LoraLinear(nn.Module):
     def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
         """The layers applied to the same x (the decoder's `project`): LoRA layers of kernel "grouped" share one
         matmul for their A matrices (gapless.kernels.lora.lora_linear_grouped) and, in training with dropout, one
-        dropout mask on x (the kernel's docstring says how that differs from PEFT's mask per projection); any other
-        layer runs alone."""
+        dropout mask on x (the kernel's docstring says how that differs from PEFT's mask per projection; on CUDA with
+        triton the mask is drawn inside the fused kernel, gapless.kernels.lora_dropout, from the nn.Dropout's p and
+        training flag); any other layer runs alone."""
         # no id() or dicts of modules: under torch.compile they would make every decoder layer's graph its own
         # (guards on each module's identity) and past dynamo's recompile limit (8) the other layers run eager
         concat = [getattr(layer, "lora_concat", None) is not None for layer in layers]
