@@ -144,10 +144,10 @@ elif [[ $MODE == gemma ]]; then
   TOK=${GEMMA_TOKENS:-8192}
   # GEMMA_PEERS: packed_liger alone where Liger was carried (the stronger peer; HF+PEFT without it needs ~110 GiB)
   GP=${GEMMA_PEERS:-${PEERS#packed_sdpa,}}
-  bench 200 --model $G4 --config default --tokens-per-batch "$TOK" --profile-steps 0
-  bench 130 --model $G4 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs "$GP" \
+  bench 170 --model $G4 --config default --tokens-per-batch "$TOK" --profile-steps 0
+  bench 110 --model $G4 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs "$GP" \
     --peers-args="--model-config $G4"
-  bench 60 --model $M3 --config default --tokens-per-batch "$TOK" --profile-steps 0
+  bench 55 --model $M3 --config default --tokens-per-batch "$TOK" --profile-steps 0
   bench 0 --model $M3 --tokens-per-batch "$TOK" --peers --peers-dir bench/peers --peers-configs "$GP" \
     --peers-args="--model-config $M3"
   if (( $(left 0) > 60 )); then
