@@ -110,3 +110,14 @@ def compile_seconds() -> float:
     from torch._dynamo.utils import compilation_time_metrics
 
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+
+
+def compile_phases(top: int = 8) -> dict[str, float]:
+    """Seconds by phase of this process's compiles, the `top` longest (dynamo's timers, summed over frames: tracing,
+    AOTAutograd, inductor's code generation, its cache loads, the C++/Triton builds). Timers nest, so the phases
+    overlap; they say where a slow compile, warm or cold, spends its time. Empty where the private timers are absent."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()
+              if name != "_compile.compile_inner"}  # the whole, compile_seconds
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
