@@ -27,8 +27,10 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
 
     Layers share one code object and, with dynamo's inlining of nn.Modules, one compiled graph: compiling
     each block rather than the whole model (torchtitan's choice) compiles one layer, not 28, and keeps the
-    embedding, the loss and the layer loop eager. Two variants in fact: layer 0's input (the frozen embedding's
-    output) needs no gradient, the others' do.
+    embedding, the loss and the layer loop eager. One graph for training, not two: layer 0's input (the frozen
+    embedding's output) would need no gradient where the others' do, a second forward and backward to compile;
+    `layer_input_grad` makes it need one (CausalLM.hidden_states says what that costs). Evaluation (no autograd)
+    compiles one more, when the first evaluation runs.
 
     dynamic=True (the default here): packed batches change cu_seqlens' length (documents + 1) and max_seqlen (a
     host int) every batch. Static shapes would compile once, then again for both once they change (dynamo's
@@ -41,6 +43,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
         layer.compile(**compile_kwargs)
         layer._compiled_call_impl = floats_specialized(layer._compiled_call_impl)
     model.loss_compiled = True  # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss)
+    model.layer_input_grad = True
     return model
 
 
