@@ -55,8 +55,8 @@ def floats_specialized(compiled: Callable) -> Callable:
     scalar tensor; the attention scale, an argument of the varlen custom op, cannot stay one, so dynamo restarts the
     first layer's analysis with it specialized: a second trace and an AOTAutograd cache miss (that first attempt's
     key is never saved) on every start, cold or warm. Measured on the CPU (bench/RESULTS.md, eighth round): the
-    first step's compile 9.5 -> 5.3 s warm, 55.6 -> 41.9 s cold. The floats are the same in every layer, so
-    specialising them adds no graph. Set and restored around each call (about 8 us, once per layer per forward)
+    first step's compile 9.5 -> 5.0 s warm, 55.6 -> 41.5 s cold. The floats are the same in every layer, so
+    specialising them adds no graph. Set and restored around each call (8 us on the 2-core CPU, once per layer per forward)
     rather than for the process: dynamo reads it only when it compiles a frame, inside the call."""
     config = torch._dynamo.config
     if not hasattr(config, "specialize_float"):  # a torch without the option specialises floats anyway
