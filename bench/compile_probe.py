@@ -5,8 +5,9 @@
 A tiny Llama (hidden 64, LoRA r=4 on all 7 projections, float32) with its decoder layers compiled as `gapless
 train` compiles them (gapless.train.compile.compile_layers: inductor, dynamic shapes), on packed rows through a
 varlen custom op, so the graphs are the GPU's (the CPU's own "sdpa" backend reads cu_seqlens on the host: a graph
-break in every layer, 16 frames for 2 layers). The op runs plain-PyTorch attention one document at a time. Two training steps of different document layouts, then one evaluation
-forward (no autograd), in two processes: cold (an empty TORCHINDUCTOR_CACHE_DIR) and warm (the same folder).
+break in every layer, 16 frames for 2 layers). The op runs plain-PyTorch attention one document at a time. Two
+training steps of different document layouts, then one evaluation forward (no autograd), in two processes: cold
+(an empty TORCHINDUCTOR_CACHE_DIR) and warm (the same folder).
 Prints one JSON line per process: step 1's seconds and torch.compile's part of them, dynamo's frames and graphs,
 the caches' hits and misses, the longest compile phases, and the graphs the second step and the evaluation added.
 """
@@ -104,7 +105,8 @@ def probe(layers: int) -> dict:
         forward([40, 24])
     return {"imports_s": round(imports, 2), "step1_s": round(step1, 2), **after1,
             "graph_breaks": sum(counters["graph_break"].values()),
-            "step2_new_graphs": graphs2 - after1["graphs"], "eval_new_graphs": counters["stats"]["unique_graphs"] - graphs2}
+            "step2_new_graphs": graphs2 - after1["graphs"],
+            "eval_new_graphs": counters["stats"]["unique_graphs"] - graphs2}
 
 
 def main(argv: list[str] | None = None) -> int:

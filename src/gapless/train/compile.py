@@ -56,8 +56,8 @@ def floats_specialized(compiled: Callable) -> Callable:
     first layer's analysis with it specialized: a second trace and an AOTAutograd cache miss (that first attempt's
     key is never saved) on every start, cold or warm. Measured on the CPU (bench/RESULTS.md, eighth round): the
     first step's compile 9.5 -> 5.0 s warm, 55.6 -> 41.5 s cold. The floats are the same in every layer, so
-    specialising them adds no graph. Set and restored around each call (8 us on the 2-core CPU, once per layer per forward)
-    rather than for the process: dynamo reads it only when it compiles a frame, inside the call."""
+    specialising them adds no graph. Set and restored around each call (8 us on the 2-core CPU, once per layer per
+    forward) rather than for the process: dynamo reads it only when it compiles a frame, inside the call."""
     config = torch._dynamo.config
     if not hasattr(config, "specialize_float"):  # a torch without the option specialises floats anyway
         return compiled
@@ -95,11 +95,13 @@ def not_compiled_message(count: int) -> str:
 
 def cache_counts() -> dict[str, int]:
     """How this process's compiles used torch's caches: inductor's FX-graph cache and AOTAutograd's cache, hits,
-    misses and bypasses (dynamo's counters; empty where they are absent). A warm start whose compiles still take
-    long reads here whether the caches were hit."""
+    misses and bypasses, and the kernels inductor built (dynamo's counters; empty where they are absent). A warm
+    start whose compiles still take long reads here whether the caches were hit."""
     from torch._dynamo.utils import counters
 
-    names = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+    # async_compile: the generated kernels (Triton on a GPU) built in this process (miss) or found already built
+    names = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass",
+                          "async_compile_cache_hit", "async_compile_cache_miss"),
              "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
     return {name: int(counters[group][name]) for group, keys in names.items() for name in keys
             if counters[group][name]}
