@@ -2,6 +2,7 @@
 
     python bench/startup_gpu.py [--work /tmp/gapless-startup] [--out bench/results.jsonl] [--run-id ID]
     python bench/startup_gpu.py --tiny [--work DIR]    # a 2-layer Llama on the CPU: the same steps in seconds
+    python bench/startup_gpu.py --tiny --compile        # ... compiled as on a GPU (minutes on the CPU)
 
 1. Writes random Llama-3.2-3B weights (bench/models/llama-3.2-3b/config.json; bf16, transformers' init: normal with
    std 0.02, norms 1) as safetensors shards of at most --shard-gb with model.safetensors.index.json, as
@@ -138,7 +139,7 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
             "breakdown": {"imports_config": parts["imports_config"], "load": parts["model"], "data": parts["data"],
                           "other": parts["other"], "first_step": parts["first_step"],
                           "compile": startup["compile_s"]},
-            "compile_caches": startup.get("compile_caches", {}),
+            "compile_caches": startup.get("compile_caches", {}), "compile_phases": startup.get("compile_phases", {}),
             "peak_gib": startup["peak_gib"], "host_peak_gib": round(startup["host_peak_gib"], 3),
             "process_s": round(wall, 3)}
 
@@ -146,6 +147,8 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama and a small data set (CPU, seconds)")
+    p.add_argument("--compile", action="store_true", help="model.compile=true (auto compiles on CUDA only): the CPU "
+                                                          "times compiling too")
     p.add_argument("--work", type=Path, default=Path("/tmp/gapless-startup"), help="weights, caches, runs, logs")
     p.add_argument("--config", type=Path, default=CONFIG)
     p.add_argument("--model-config", type=Path, default=MODEL_CONFIG, help="the config.json the weights follow")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 "or .carry/llama3, as bench/doctor_gpu.sh carries it)")
     config = json.loads(opts.model_config.read_text())
     # one step: no room for the config's warm-up ratio (a 1-step run is refused with one), which start-up never reaches
-    overrides: list[str] = ["schedule.warmup_ratio=0"]
+    overrides: list[str] = ["schedule.warmup_ratio=0", *(["model.compile=true"] if opts.compile else [])]
     if opts.tiny:
         from gapless import demo_task
 
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(f"[startup] {name}: {r['outside_s']:.1f} s to the end of step 1 (outside clock; inside "
               f"{r['inside_s']:.1f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items())
-              + f"; compile caches {r['compile_caches'] or 'unused'}", flush=True)
+              + f"; compile caches {r['compile_caches'] or 'unused'}; longest compile phases "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_phases"].items()), flush=True)
 
     cold, warm = results["cold"], results["warm"]
     peaks = [r["peak_gib"] for r in (cold, warm) if r["peak_gib"] is not None]

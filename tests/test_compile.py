@@ -99,9 +99,9 @@ def test_cache_counts_tell_a_cold_compile_from_a_warm_one(monkeypatch, tmp_path)
 
 
 def test_one_graph_per_distinct_layer_whatever_the_depth():
-    """A compiled Llama compiles one graph per distinct layer, not per layer: layer 0 (its input, the frozen
-    embedding's output, needs no gradient) and the rest, at 2 layers as at 4; evaluation (no autograd) adds one more,
-    shared by every layer."""
+    """A compiled Llama compiles one training graph for all its layers, at 2 layers as at 4: layer 0 too (its input,
+    the frozen embedding's output, is made to need a gradient, as the others' do); evaluation (no autograd) adds one
+    more, shared by every layer."""
     from torch._dynamo.utils import counters
 
     from gapless.config import LoraConfig
@@ -125,7 +125,7 @@ def test_one_graph_per_distinct_layer_whatever_the_depth():
             model(ids, targets=targets)
         graphs[layers] = (train, counters["stats"]["unique_graphs"] - train)
         assert frames_not_compiled() == 0
-    assert graphs[2] == graphs[4] == (2, 1), graphs
+    assert graphs[2] == graphs[4] == (1, 1), graphs
 
 
 def test_evaluation_graphs_compile_when_the_first_evaluation_needs_them(tmp_path, monkeypatch):
@@ -155,3 +155,39 @@ def test_evaluation_graphs_compile_when_the_first_evaluation_needs_them(tmp_path
         "output_dir": str(tmp_path / "run"), "progress": False})
     loop.train(cfg)
     assert evaluated_after == [2, 3]  # at eval_every, and the final evaluation
+
+
+def test_a_compiled_llama_traces_its_one_layer_graph_once_with_floats_constant():
+    """The first training step of a compiled Llama on packed rows through a varlen custom op (the GPU's graph: no
+    graph break) traces the layers' one graph once: no restart of dynamo's analysis, whose first attempt costs every
+    start a second trace and an AOTAutograd cache miss, and no Python float (eps, LoRA's scaling, the attention
+    scale) turned into a graph input. A second batch with another document layout compiles nothing."""
+    from test_kernels_attention import reference_backward, reference_forward
+
+    from gapless.config import LoraConfig
+    from gapless.kernels.attention import op_attention, varlen_attention_op
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+    from gapless.model.lora import apply_lora
+    from gapless.train.compile import compile_layers
+
+    calls = []
+
+    def recording(gm, example_inputs):
+        calls.append([x for x in example_inputs if isinstance(x, torch.Tensor) and x.dtype == torch.float64])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+    torch._dynamo.reset()
+    model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4)), backend=recording)
+    model.loss_compiled = False  # the loss's own compiled step is not a layer's
+    model.attn_fn = op_attention("ref_op", varlen_attention_op("test_reference", reference_forward, reference_backward))
+    gen = torch.Generator().manual_seed(0)
+    for lengths in ([7, 2, 11], [3, 14, 1, 2]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        ids, targets = torch.randint(0, 64, (2, 1, sum(lengths)), generator=gen)
+        model(ids, cu_seqlens=cu, max_seqlen=max(lengths), targets=targets).backward()
+    assert frames_not_compiled() == 0
+    assert calls == [[]], calls  # one graph for every layer, traced once
+    torch._dynamo.reset()

@@ -371,6 +371,9 @@ class CausalLM(nn.Module):
         # softmax step runs compiled (set by gapless.train.compile.compile_layers)
         self.loss_chunk_size = DEFAULT_CHUNK_SIZE
         self.loss_compiled = False
+        # training: the first layer's input (the frozen embedding's output) made to need a gradient, as every later
+        # layer's does, so compiled layers share one graph instead of two (set by compile_layers; hidden_states)
+        self.layer_input_grad = False
         # set by gapless.model.loading.build: config.json as read, its folder, and the safetensors file of each
         # checkpoint tensor (what load_weights streams)
         self.config_dict: dict | None = None
@@ -402,6 +405,12 @@ class CausalLM(nn.Module):
             else:  # right padding: real tokens sit at 0..n-1; left padding needs the caller's positions
                 position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
+        if self.layer_input_grad and torch.is_grad_enabled() and not h.requires_grad:
+            # Compiled layers trace a graph per requires_grad of their input: without this layer 0 (its input needs
+            # no gradient under LoRA or QLoRA) compiles its own forward and backward beside the other layers'. The
+            # price is layer 0's input gradient, computed and dropped: 2 * tokens * hidden * (q + k + v widths)
+            # FLOPs, about 0.3% of a Llama-3.2-3B LoRA step; the parameters' gradients are the same.
+            h.requires_grad_()
         rope = self.model.rotary_emb(position_ids, h.dtype)  # [(cos, sin) [B, T, hd]], once for all layers
         for layer in self.model.layers:
             # the training call stays the 7 arguments that compiled and checkpointed layers were traced with

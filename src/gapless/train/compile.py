@@ -1,9 +1,12 @@
 """torch.compile as a model transform: each decoder layer compiled in place, and the loss's per-chunk step."""
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import nn
 
 # Inductor's FX-graph and AOTAutograd caches (on by default in torch >= 2.6) live in TORCHINDUCTOR_CACHE_DIR, else
@@ -24,8 +27,10 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
 
     Layers share one code object and, with dynamo's inlining of nn.Modules, one compiled graph: compiling
     each block rather than the whole model (torchtitan's choice) compiles one layer, not 28, and keeps the
-    embedding, the loss and the layer loop eager. Two variants in fact: layer 0's input (the frozen embedding's
-    output) needs no gradient, the others' do.
+    embedding, the loss and the layer loop eager. One graph for training, not two: layer 0's input (the frozen
+    embedding's output) would need no gradient where the others' do, a second forward and backward to compile;
+    `layer_input_grad` makes it need one (CausalLM.hidden_states says what that costs). Evaluation (no autograd)
+    compiles one more, when the first evaluation runs.
 
     dynamic=True (the default here): packed batches change cu_seqlens' length (documents + 1) and max_seqlen (a
     host int) every batch. Static shapes would compile once, then again for both once they change (dynamo's
@@ -36,8 +41,37 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     use_compile_cache()
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
+        layer._compiled_call_impl = floats_specialized(layer._compiled_call_impl)
     model.loss_compiled = True  # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss)
+    model.layer_input_grad = True
     return model
+
+
+def floats_specialized(compiled: Callable) -> Callable:
+    """`compiled` with dynamo's specialize_float on while it runs, so it traces the layers' Python floats (RMSNorm's
+    eps, LoRA's scaling, the attention scale) as constants.
+
+    With dynamic=True dynamo (torch >= 2.6, specialize_float False) makes every float a graph input, a float64
+    scalar tensor; the attention scale, an argument of the varlen custom op, cannot stay one, so dynamo restarts the
+    first layer's analysis with it specialized: a second trace and an AOTAutograd cache miss (that first attempt's
+    key is never saved) on every start, cold or warm. Measured on the CPU (bench/RESULTS.md, eighth round): the
+    first step's compile 9.5 -> 5.0 s warm, 55.6 -> 41.5 s cold. The floats are the same in every layer, so
+    specialising them adds no graph. Set and restored around each call (8 us on the 2-core CPU, once per layer per
+    forward) rather than for the process: dynamo reads it only when it compiles a frame, inside the call."""
+    config = torch._dynamo.config
+    if not hasattr(config, "specialize_float"):  # a torch without the option specialises floats anyway
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        before = config.specialize_float
+        config.specialize_float = True
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.specialize_float = before
+
+    return call
 
 
 def frames_not_compiled() -> int:
@@ -61,11 +95,13 @@ def not_compiled_message(count: int) -> str:
 
 def cache_counts() -> dict[str, int]:
     """How this process's compiles used torch's caches: inductor's FX-graph cache and AOTAutograd's cache, hits,
-    misses and bypasses (dynamo's counters; empty where they are absent). A warm start whose compiles still take
-    long reads here whether the caches were hit."""
+    misses and bypasses, and the kernels inductor built (dynamo's counters; empty where they are absent). A warm
+    start whose compiles still take long reads here whether the caches were hit."""
     from torch._dynamo.utils import counters
 
-    names = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+    # async_compile: the generated kernels (Triton on a GPU) built in this process (miss) or found already built
+    names = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass",
+                          "async_compile_cache_hit", "async_compile_cache_miss"),
              "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
     return {name: int(counters[group][name]) for group, keys in names.items() for name in keys
             if counters[group][name]}
@@ -79,3 +115,14 @@ def compile_seconds() -> float:
     from torch._dynamo.utils import compilation_time_metrics
 
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+
+
+def compile_phases(top: int = 8) -> dict[str, float]:
+    """Seconds by phase of this process's compiles, the `top` longest (dynamo's timers, summed over frames: tracing,
+    AOTAutograd, inductor's code generation, its cache loads, the C++/Triton builds). Timers nest, so the phases
+    overlap; they say where a slow compile, warm or cold, spends its time. Empty where the private timers are absent."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()
+              if name != "_compile.compile_inner"}  # the whole, compile_seconds
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])

@@ -47,7 +47,8 @@ from gapless.train.batch_finder import run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
 from gapless.train.checkpoint_interval import MEASURE_STEPS, CheckpointSchedule, tensor_bytes
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
-from gapless.train.compile import cache_counts, compile_seconds, frames_not_compiled, not_compiled_message
+from gapless.train.compile import (cache_counts, compile_phases, compile_seconds, frames_not_compiled,
+                                  not_compiled_message)
 from gapless.train.guard import NonFinite, StopSignals, finite
 from gapless.train.loss_scale import DynamicLossScaler
 from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
@@ -678,14 +679,15 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
 
 def startup_record(run: Run, step: int, first_step_s: float) -> dict:
     """{"kind": "startup"}: the seconds from the run's clock start to the end of its first step, by part
-    (StartupParts), of which torch.compile's (and its cache hits and misses, compile.cache_counts); and the peak
-    memory so far (the GPU's allocated bytes, the host's resident set), in GiB."""
+    (StartupParts), of which torch.compile's (its cache hits and misses, compile.cache_counts, and its longest phases,
+    compile.compile_phases); and the peak memory so far (the GPU's allocated bytes, the host's resident set), in GiB."""
     import resource
 
     cuda = run.device.type == "cuda"
     parts = {k: round(v, 4) for k, v in run.startup.seconds.items()}
     return {"kind": "startup", "step": step, "first_step_s": first_step_s, "seconds": parts,
             "compile_s": round(compile_seconds(), 4), "compile_caches": cache_counts(),
+            "compile_phases": compile_phases(),
             "peak_gib": torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
             "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss: KiB on Linux
 
