@@ -75,10 +75,14 @@ def per_layer(x, ws, bs, a_s, b_s, scalings, dropout):
 # CPU, always: the torch path
 
 
-def test_fused_path_applies_only_to_a_training_dropout_on_cuda():
+def test_fused_path_applies_only_to_a_training_dropout_on_cuda(monkeypatch):
     """CPU tensors, eval mode, p = 0 (nn.Identity) and other callables keep torch's dropout; on CUDA with triton an
-    nn.Dropout in training runs fused."""
+    nn.Dropout in training runs fused once enabled (GAPLESS_FUSED_DROPOUT=1), and never without it."""
     x = torch.zeros(2, 8)
+    if FUSED_DROPOUT and torch.cuda.is_available():
+        monkeypatch.setattr(lora_dropout, "ENABLED", False)
+        assert not fused_dropout_applies(x.cuda(), nn.Dropout(P).train())
+    monkeypatch.setattr(lora_dropout, "ENABLED", True)
     assert not fused_dropout_applies(x, nn.Dropout(P).train())
     assert not fused_dropout_applies(x, nn.Identity())
     if FUSED_DROPOUT and torch.cuda.is_available():
@@ -202,6 +206,7 @@ def fused_on(monkeypatch, device: str, seed: int) -> torch.Tensor:
     """Make the LoRA paths run fused on `device` (on the CPU only under the interpreter) with a fixed seed; returns
     the seed tensor."""
     seed_t = torch.full((1,), seed, dtype=torch.int64, device=device)
+    monkeypatch.setattr(lora_dropout, "ENABLED", True)
     monkeypatch.setattr(lora_dropout, "draw_seed", lambda dev: seed_t.clone())
     if device == "cpu":
         monkeypatch.setattr(gapless.kernels.lora, "fused_dropout_applies",
@@ -304,6 +309,7 @@ def test_cuda_mask_statistics(on_cuda):
 @cuda
 def test_cuda_compiled_layer_runs_fused_without_graph_break(monkeypatch):
     """compile_layers on a bf16 CUDA decoder with LoRA dropout: no graph break, and the fused path is what runs."""
+    monkeypatch.setattr(lora_dropout, "ENABLED", True)
     calls = []
     real = gapless.kernels.lora.lora_dropout_a
     monkeypatch.setattr(gapless.kernels.lora, "lora_dropout_a", lambda *a: calls.append(1) or real(*a))
