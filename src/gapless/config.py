@@ -47,7 +47,7 @@ LoraKernel = Literal["grouped", "reference", "concat"]
 class LoraConfig:
     r: int = 16  # the rank of each adapter (A: r x in, B: out x r)
     alpha: float = 32.0  # the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)
-    dropout: float = 0.0  # dropout on the adapter's input in training; on CUDA drawn inside Triton, no mask kept
+    dropout: float = 0.0  # dropout on the adapter's input in training, one mask per group (Triton: GAPLESS_FUSED_DROPOUT=1)
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
