@@ -27,40 +27,14 @@ T0 = time.perf_counter()
 
 
 def reference_op():
-    """The varlen custom op over plain-PyTorch attention, one document at a time, forward and backward (the math of
-    tests/test_kernels_attention.py's reference; plain causal, GQA)."""
-    import torch
+    """The varlen custom op over plain-PyTorch attention, one document at a time, forward and backward: the
+    reference of tests/test_kernels_attention.py (as tests/test_compile.py uses it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_kernels_attention import reference_backward, reference_forward
 
     from gapless.kernels.attention import op_attention, varlen_attention_op
 
-    def documents(q, k, v, cu, scale):  # per document: scores [Hq, L, L], q, k, v as [H, L, D] (k, v expanded)
-        g = q.shape[1] // k.shape[1]
-        bounds = cu.tolist()
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            qs, ks, vs = (x[s:e].repeat_interleave(n, dim=1).transpose(0, 1) for x, n in ((q, 1), (k, g), (v, g)))
-            causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-            yield s, e, g, (qs @ ks.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")), qs, ks, vs
-
-    def forward(q, k, v, cu, max_seqlen, scale, window_left):
-        out, lse = torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
-        for s, e, g, S, qs, ks, vs in documents(q, k, v, cu, scale):
-            lse[:, s:e] = torch.logsumexp(S, dim=-1)
-            out[s:e] = (torch.exp(S - lse[:, s:e, None]) @ vs).transpose(0, 1)
-        return out, lse
-
-    def backward(dout, q, k, v, out, lse, cu, max_seqlen, scale, window_left):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for s, e, g, S, qs, ks, vs in documents(q, k, v, cu, scale):
-            P = torch.exp(S - lse[:, s:e, None])  # [Hq, L, L]
-            do, o = dout[s:e].transpose(0, 1), out[s:e].transpose(0, 1)
-            dS = P * (do @ vs.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
-            L, Hkv, D = e - s, k.shape[1], k.shape[2]
-            dq[s:e] = (dS @ ks * scale).transpose(0, 1)
-            dk[s:e] = (dS.transpose(1, 2) @ qs * scale).view(Hkv, g, L, D).sum(1).transpose(0, 1)
-            dv[s:e] = (P.transpose(1, 2) @ do).view(Hkv, g, L, D).sum(1).transpose(0, 1)
-        return dq, dk, dv
-
-    return op_attention("probe_ref", varlen_attention_op("probe_reference", forward, backward))
+    return op_attention("probe_ref", varlen_attention_op("probe_reference", reference_forward, reference_backward))
 
 
 def probe(layers: int) -> dict:
