@@ -18,9 +18,9 @@ matmuls, the scaling and the bias stay outside the autograd.Function, as ops tor
 neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
 
 Dropout: `dropout` is what LoraLinear holds (an nn.Dropout, or nn.Identity at p = 0) or any callable on x. An
-nn.Dropout in training on a CUDA tensor with triton importable runs the A matmul fused
-(gapless.kernels.lora_dropout: the mask drawn in registers from a seed, never stored; its docstring says exactly how
-masks are drawn); anything else runs dropout(x) and the A matmul in torch, as before.
+nn.Dropout in training on a CUDA tensor with triton importable and GAPLESS_FUSED_DROPOUT=1 (opt-in until its GPU
+tests have run) runs the A matmul fused (gapless.kernels.lora_dropout: the mask drawn in registers from a seed,
+never stored; its docstring says exactly how masks are drawn); anything else runs dropout(x) and the A matmul in torch, as before.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a
     """The plain-PyTorch formula, x W^T + b + scaling * B A dropout(x), differentiated by autograd.
 
     The reference that the grouped form is tested against, and the path of the layers that run alone (o_proj,
-    down_proj), where an nn.Dropout in training on CUDA runs fused (module docstring) and saves no mask.
+    down_proj), where an nn.Dropout in training on CUDA can run fused (module docstring) and save no mask.
     """
     if fused_dropout_applies(x, dropout):
         xa = lora_dropout_a(x, [lora_a], dropout.p)  # [..., r]
@@ -61,7 +61,7 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
     Dropout: ONE mask for the group, drawn once on x and shared by its layers' A matmuls (PEFT draws one per
     projection: the same keep probability and scaling for every element, so the same expected update, but a
     different sample). Each layer's output equals lora_linear_reference under that same mask exactly. An
-    nn.Dropout in training on CUDA runs fused: the same one mask per group, drawn in the kernel (module docstring).
+    nn.Dropout in training on CUDA can run fused: the same one mask per group, drawn in the kernel (module docstring).
     """
     ranks = [lora_a.shape[0] for lora_a in lora_as]
     if fused_dropout_applies(x, dropout):
