@@ -28,7 +28,8 @@ checkpointing the recomputed forward draws the same seed (checkpoint restores th
 
 Where it runs: with GAPLESS_FUSED_DROPOUT=1 (ENABLED below), CUDA tensors with triton importable and torch >= 2.6
 (torch.library.triton_op, so torch.compile traces the kernels into its graph with no graph break); the kernels also
-run on CPU tensors under TRITON_INTERPRET=1 (the tests). gapless.kernels.lora decides (fused_dropout_applies); everything else keeps the torch path.
+run on CPU tensors under TRITON_INTERPRET=1 (the tests). gapless.kernels.lora decides (fused_dropout_applies);
+everything else keeps the torch path.
 """
 from __future__ import annotations
 
