@@ -149,6 +149,38 @@ def test_our_adapter_loads_in_peft_and_peft_adapter_in_gapless(hf_checkpoint, tm
     assert_close(_logits(loaded.eval(), ids), expected, **TOL)
 
 
+def test_gemma3_image_text_adapter_both_ways_with_peft(gemma3_checkpoint, tmp_path):
+    """PEFT names the image-text class's decoder model.language_model and its short target names also match the
+    vision tower's q/k/v: our adapter must reach the decoder there and only there, and PEFT's load here."""
+    import peft
+
+    hf, folder = gemma3_checkpoint
+    ids = torch.randint(0, 88, (2, 12), generator=torch.Generator().manual_seed(7))
+    with pytest.warns(UserWarning, match="vision tower"):
+        ours = apply_lora(gapless.load_model(folder), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "down_proj"]))
+    _train(ours.train(), [p for p in ours.parameters() if p.requires_grad])
+    adapted = _logits(ours.eval(), ids)
+    assert (adapted - _logits(hf, ids)).abs().max() > 1e-2
+    save_adapter(ours, tmp_path / "ours")
+    reference = peft.PeftModel.from_pretrained(hf, tmp_path / "ours").eval()
+    adapted_layers = [name for name, m in reference.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted_layers) == 6 and all(".language_model.layers." in name for name in adapted_layers)
+    assert_close(_logits(reference, ids), adapted, **TOL)
+    reference.unload()
+    with pytest.warns(UserWarning, match="vision tower"):
+        again, cfg = load_adapter(gapless.load_model(folder), tmp_path / "ours")  # `gapless generate RUN` does this
+    assert cfg.target_modules == ["q_proj", "down_proj"]
+    assert_close(_logits(again.eval(), ids), adapted, **TOL)
+
+    # PEFT's adapter with short names: its vision-tower layers are left out with a warning, the decoder's load
+    reference = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _train(lambda x: reference(input_ids=x).logits, [p for p in reference.parameters() if p.requires_grad], seed=1)
+    reference.eval().save_pretrained(tmp_path / "peft")
+    with pytest.warns(UserWarning, match="tensors outside the text decoder"):
+        loaded, _ = load_adapter(gapless.load_model(folder), tmp_path / "peft")
+    assert_close(_logits(loaded.eval(), ids), _logits(reference, ids), **TOL)
+
+
 def _train(forward, params, steps=4, seed=0):
     """A few SGD steps on random next-token data, so lora_B moves off zero."""
     opt = torch.optim.SGD(params, lr=0.2)

@@ -107,6 +107,19 @@ def test_peft_adapter_loads_in_gapless(hf_checkpoint, tmp_path, model_type, conf
     assert_close(_logits(ours.eval()), expected, **TOL)
 
 
+def test_peft_adapter_with_a_regex_target_loads_in_gapless(hf_checkpoint, tmp_path):
+    """A string target_modules is a regular expression PEFT fullmatches to module names."""
+    import peft
+
+    hf, folder = hf_checkpoint("llama")
+    reference = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*\.(v_proj|up_proj)"))
+    _train(lambda ids: reference(ids).logits, [p for p in reference.parameters() if p.requires_grad])
+    reference.eval().save_pretrained(tmp_path / "adapter")
+    ours, cfg = load_adapter(gapless.load_model(folder), tmp_path / "adapter")
+    assert cfg.target_modules == ["v_proj", "up_proj"]
+    assert_close(_logits(ours.eval()), _logits(reference), **TOL)
+
+
 @pytest.mark.parametrize("model_type, config", [("llama", {"tie_word_embeddings": True}), ("qwen2", {})])
 def test_merged_folder_loads_in_transformers(hf_checkpoint, tmp_path, model_type, config):
     import transformers
@@ -146,7 +159,9 @@ def test_merged_folder_loads_in_transformers(hf_checkpoint, tmp_path, model_type
     ({"bias": "all"}, "bias='all'"),
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"an_option_from_a_later_peft": 1}, "an_option_from_a_later_peft=1"),
-    ({"target_modules": ".*q_proj"}, "a regular expression is not supported"),
+    ({"target_modules": r"model\.layers\.0\..*q_proj"}, "adapts some layers but not"),  # a regex, as PEFT fullmatches
+    ({"target_modules": r".*(q_proj|embed_tokens)"}, r"target_modules: \['model\.embed_tokens'\] not supported"),
+    ({"target_modules": "(q_proj"}, "not a valid regular expression"),
     ({"target_modules": ["q_proj", "lm_head"]}, r"target_modules: \['lm_head'\] not supported"),
     ({"target_modules": ["model.layers.0.self_attn.q_proj"]}, "adapts some layers but not"),
     ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),

@@ -65,6 +65,10 @@ class Family:
     # other tensors (vision_tower., multi_modal_projector.) are not the decoder's: never read, and copied through
     # untouched by a merged export (gapless.model.export)
     checkpoint_prefix: str = ""
+    # transformers' module path of our `model.` (the decoder) in the family's class, which PEFT adapters name their
+    # tensors and target_modules by: Gemma 3's image-text class holds the decoder at model.language_model (since
+    # transformers 4.52, and in 5.x), beside model.vision_tower, whose attention layers are also q_proj/k_proj/v_proj
+    decoder_module: str = "model"
     projections: tuple[str, ...] = ALL_LINEAR  # the linear layers of a decoder layer, LoRA's "all-linear"
     # transformers' config-class defaults for fields a config.json may leave out
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -94,7 +98,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3_text", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, final_softcap=True,
            defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
     Family("gemma3", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, text_config=True,
-           checkpoint_prefix="language_model.",
+           checkpoint_prefix="language_model.", decoder_module="model.language_model",
            defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
 )}
 

@@ -2,7 +2,9 @@
 
 `apply_lora` swaps each targeted nn.Linear for a LoraLinear that keeps the base `weight`/`bias`
 under the same names (so base keys stay HF's) and adds `lora_A`/`lora_B`, so our key
-`model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`.
+`model.layers.0.self_attn.q_proj.lora_A.weight` is PEFT's saved key minus `base_model.model.`; for a family whose
+transformers class holds the decoder elsewhere (Gemma 3's image-text class: model.language_model) the `model.` of
+our names becomes that path in PEFT's keys and target_modules (peft_name).
 The update is PEFT's: y = W x + b + scaling * B A dropout(x), scaling = alpha / r (alpha / sqrt(r)
 with rsLoRA), A Kaiming-uniform and B zero so the adapted model starts equal to the base. LoraConfig.kernel
 picks how it runs: the plain formula one layer at a time, or with one A matmul (and one dropout mask) for the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
 from gapless.kernels.lora import lora_linear_concat, lora_linear_grouped, lora_linear_reference
 from gapless.model.export import atomic_folder, save_pretrained  # noqa: F401  (save_pretrained: merged export)
+from gapless.model.families import family
 from gapless.model.loading import PICKLE_SUFFIXES
 
 PEFT_PREFIX = "base_model.model."
@@ -204,9 +208,17 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     return concat_lora_weights(model)
 
 
+def peft_name(model: nn.Module, name: str) -> str:
+    """Our module or tensor name as transformers names it in the family's class, which PEFT's keys and
+    target_modules use: `model.` becomes the family's decoder_module (Gemma 3 image-text: model.language_model)."""
+    decoder = family(model.args.model_type).decoder_module
+    return decoder + name[len("model"):] if name.startswith("model.") else name
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The adapter weights under PEFT's saved key names (`base_model.model.<our name>`)."""
-    return {PEFT_PREFIX + k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+    """The adapter weights under PEFT's saved key names (`base_model.model.` + peft_name)."""
+    return {PEFT_PREFIX + peft_name(model, k): v for k, v in model.state_dict().items()
+            if ".lora_A." in k or ".lora_B." in k}
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path, cfg: LoraConfig | None = None,
@@ -224,11 +236,17 @@ def save_adapter(model: nn.Module, out_dir: str | Path, cfg: LoraConfig | None =
         raise ValueError("save_adapter: pass base_model_name_or_path (a hub id or the base model's folder)")
     out = Path(out_dir)
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
+    targets: list[str] | str = list(cfg.target_modules)
+    decoder = family(model.args.model_type).decoder_module
+    if decoder != "model":
+        # short names would also adapt the layers of that name outside the decoder (Gemma 3's vision tower has
+        # q_proj/k_proj/v_proj): a regular expression (PEFT fullmatches it to module names) keeps to the decoder
+        targets = rf"{re.escape(decoder)}\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(cfg.target_modules)})"
     # keys every peft >= 0.13 knows; the rest of PEFT's options keep their defaults
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
         "inference_mode": True, "r": cfg.r, "lora_alpha": alpha, "lora_dropout": cfg.dropout,
-        "target_modules": list(cfg.target_modules), "use_rslora": cfg.use_rslora, "bias": "none",
+        "target_modules": targets, "use_rslora": cfg.use_rslora, "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
     }
@@ -276,24 +294,34 @@ def read_adapter_config(adapter_dir: str | Path, model: nn.Module) -> LoraConfig
 
 
 def _resolve_targets(targets, model: nn.Module, path: Path) -> list[str]:
-    """PEFT's target_modules (short names, full module paths, or "all-linear") -> our short names.
+    """PEFT's target_modules (short names, full module paths, a regular expression, or "all-linear") -> our short
+    names.
 
     PEFT adapts every module whose name equals an entry or ends with "." + entry, and skips entries
-    that match nothing; the result must be whole projection kinds on every layer, which is what
+    that match nothing; a string is a regular expression that must match a module's whole name. Names are
+    transformers' (peft_name). The result must be whole projection kinds on every layer, which is what
     LoraConfig can express.
     """
     if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
         return list(ALL_LINEAR)
-    if not isinstance(targets, list):
-        raise ValueError(f"{path}: target_modules {targets!r}: a regular expression is not supported; "
-                         f"list module names among {list(ALL_LINEAR)}")
-    names = [name for name, _ in model.named_modules()]
-    adaptable = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)
+    if not isinstance(targets, (list, str)):
+        raise ValueError(f"{path}: target_modules {targets!r}: expected a list of module names or a regular "
+                         f"expression, among {list(ALL_LINEAR)}")
+    names = [peft_name(model, name) for name, _ in model.named_modules()]
+    adaptable = {peft_name(model, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)
                  and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in ALL_LINEAR}
-    matched = {name for name in names for t in targets if name == t or name.endswith("." + t)}
-    outside = sorted({t for t in targets for name in matched - adaptable if name == t or name.endswith("." + t)})
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as e:
+            raise ValueError(f"{path}: target_modules {targets!r}: not a valid regular expression ({e})") from None
+        matched = {name for name in names if pattern.fullmatch(name)}
+        outside = sorted(matched - adaptable)
+    else:
+        matched = {name for name in names for t in targets if name == t or name.endswith("." + t)}
+        outside = sorted({t for t in targets for name in matched - adaptable if name == t or name.endswith("." + t)})
     if outside:
-        raise ValueError(f"{path}: target_modules: {outside} not supported; gapless puts LoRA only on "
+        raise ValueError(f"{path}: target_modules: {outside[:4]} not supported; gapless puts LoRA only on "
                          f"{list(ALL_LINEAR)} of the decoder layers")
     kinds = {name.rsplit(".", 1)[-1] for name in matched}
     partial = sorted({name for name in adaptable if name.rsplit(".", 1)[-1] in kinds} - matched)
@@ -316,16 +344,25 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
             f"; {', '.join(pickles)} is a pickle, which gapless never unpickles: re-save the adapter with "
             "PEFT's save_pretrained(out_dir, safe_serialization=True)" if pickles else ""))
     apply_lora(model, cfg)
-    ours = model.state_dict()
+    ours = {PEFT_PREFIX + peft_name(model, k): v for k, v in model.state_dict().items()}
     with safe_open(weights, framework="pt") as st:
         found = set(st.keys())
         expected = set(lora_state_dict(model))
+        decoder = PEFT_PREFIX + family(model.args.model_type).decoder_module + "."
+        if decoder != PEFT_PREFIX + "model.":
+            # an image-text class: PEFT's short target names also adapt the vision tower's layers of that name, which
+            # gapless does not hold (it trains the text decoder); text-only inputs never reach them
+            others = sorted(k for k in found - expected if not k.startswith(decoder))
+            if others:
+                warnings.warn(f"{weights}: {len(others)} tensors outside the text decoder ({others[0]}, ...) are "
+                              "not loaded: gapless runs the text decoder only", stacklevel=2)
+                found -= set(others)
         missing, unexpected = sorted(expected - found), sorted(found - expected)
         if missing or unexpected:
             raise ValueError(f"{weights}: does not match adapter_config.json on this model; "
                              f"missing keys: {missing}; unexpected keys: {unexpected}")
         for key in sorted(expected):
-            ours_t = ours[key[len(PEFT_PREFIX):]]
+            ours_t = ours[key]
             shape = tuple(st.get_slice(key).get_shape())
             if shape != tuple(ours_t.shape):
                 raise ValueError(f"{weights}: {key} has shape {list(shape)}, but the model and r={cfg.r} "
