@@ -118,6 +118,27 @@ def test_gemma3_text_part_of_an_image_text_checkpoint(gemma3_checkpoint):
     _check_parity(ours, hf)
 
 
+def test_gemma3_image_text_checkpoint_under_its_module_names(gemma3_checkpoint, tmp_path):
+    """A state dict saved as it is (model.language_model.layers..., lm_head.weight, model.vision_tower...), which
+    transformers loads as it loads the hub layout: the same model, and a merged export in that layout."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = gemma3_checkpoint
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: left out
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in state
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "config.json").write_text((folder / "config.json").read_text())
+    save_file(state, tmp_path / "modules" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="vision tower"):
+        ours = gapless.load_model(tmp_path / "modules")
+    _check_parity(ours, hf)
+    merged = save_pretrained(merge_lora(apply_lora(ours, LoraConfig(r=4, alpha=8))), tmp_path / "merged")
+    assert load_file(merged / "model.safetensors").keys() == state.keys()
+    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged).eval()
+    assert_close(_logits(reloaded, torch.arange(20)[None]), _logits(hf, torch.arange(20)[None]), **TOL)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_our_adapter_loads_in_peft_and_peft_adapter_in_gapless(hf_checkpoint, tmp_path, case):
     import peft

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gapless.model.families import family
-from gapless.model.loading import read_config, read_weight_headers
+from gapless.model.loading import decoder_headers, read_config, read_weight_headers
 
 # transformers 4.x defaulted to 5 GB shards (5.x to 50 GB); 5 GB files suit hub uploads and older readers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -52,12 +52,15 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     if model.args.tie_word_embeddings:  # transformers re-ties lm_head to the embedding on load
         del state["lm_head.weight"]
     dtype = state["model.embed_tokens.weight"].dtype
-    prefix = family(model.args.model_type).checkpoint_prefix
-    if prefix:  # an image-text checkpoint (Gemma 3): the decoder under its prefix, the rest copied through untouched
+    if family(model.args.model_type).checkpoint_prefix:
+        # an image-text checkpoint (Gemma 3): the decoder under the source's key names (its layout), the rest copied
+        # through untouched
         if source is None:
             raise ValueError("save_pretrained: pass source_dir (the base model's folder) for its vision tower")
-        state = {prefix + k: v for k, v in state.items()}
-        state.update(_tensors_outside(source, prefix))
+        headers = read_weight_headers(source)
+        names = {ours: value[2] for ours, value in decoder_headers(headers, model.args).items()}
+        state = {names[k]: v for k, v in state.items()}
+        state.update(_tensors_outside(headers, set(names.values())))
     dtype_name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = dtype_name  # transformers 4.x reads this key
     config["dtype"] = dtype_name  # and 5.x this one
@@ -89,11 +92,11 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     return out
 
 
-def _tensors_outside(source: str | Path, prefix: str) -> dict:
-    """The tensors of the checkpoint in `source` whose keys do not start with `prefix`, as stored."""
+def _tensors_outside(headers: dict[str, tuple[Path, tuple[int, ...]]], decoder: set[str]) -> dict:
+    """The tensors of a checkpoint (read_weight_headers) whose keys are not in `decoder`, as stored."""
     tensors = {}
-    for key, (path, _) in read_weight_headers(source).items():
-        if not key.startswith(prefix):
+    for key, (path, _) in headers.items():
+        if key not in decoder:
             with safe_open(path, framework="pt") as st:
                 tensors[key] = st.get_tensor(key)
     return tensors

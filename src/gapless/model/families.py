@@ -61,7 +61,8 @@ class Family:
     final_softcap: bool = False  # reads final_logit_softcapping
     text_config: bool = False  # the decoder's fields sit under text_config (an image-text checkpoint)
     # the checkpoint's key of each of our tensors is this + our key (Gemma 3's image-text checkpoints, as
-    # transformers saves them: language_model.model.layers.0..., language_model.lm_head.weight); the checkpoint's
+    # transformers saves them: language_model.model.layers.0..., language_model.lm_head.weight), or, in a checkpoint
+    # with none of these keys, its name under decoder_module (gapless.model.loading.decoder_headers); the checkpoint's
     # other tensors (vision_tower., multi_modal_projector.) are not the decoder's: never read, and copied through
     # untouched by a merged export (gapless.model.export)
     checkpoint_prefix: str = ""

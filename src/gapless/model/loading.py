@@ -310,16 +310,21 @@ def _read_sliding_window(f: _Fields, fam: Family, layers: int) -> list[int | Non
 
 
 def decoder_headers(headers: dict[str, tuple[Path, tuple[int, ...]]],
-                    args: ModelArgs) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """read_weight_headers' entries under our key names: the family's checkpoint_prefix taken off (Gemma 3's
-    image-text checkpoints), and the tensors that are not the decoder's (its vision tower) left out."""
-    prefix = family(args.model_type).checkpoint_prefix
-    return {key[len(prefix):]: value for key, value in headers.items() if key.startswith(prefix)}
+                    args: ModelArgs) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """read_weight_headers' entries under our key names, each with its key in the checkpoint; the tensors that are
+    not the decoder's (an image-text checkpoint's vision tower) left out.
 
-
-def checkpoint_key(args: ModelArgs, key: str) -> str:
-    """The checkpoint's name of our tensor `key` (decoder_headers' inverse)."""
-    return family(args.model_type).checkpoint_prefix + key
+    Gemma 3's image-text checkpoints come in two layouts that transformers both loads: the hub's, which its
+    save_pretrained writes (the family's checkpoint_prefix before our names: language_model.model.layers.0...,
+    language_model.lm_head.weight), and the class's module names, which a saved state dict has (the family's
+    decoder_module for our `model`: model.language_model.layers.0..., lm_head.weight)."""
+    fam = family(args.model_type)
+    prefix = fam.checkpoint_prefix
+    if not prefix or any(key.startswith(prefix) for key in headers):
+        return {key[len(prefix):]: (*value, key) for key, value in headers.items() if key.startswith(prefix)}
+    decoder = fam.decoder_module + "."
+    return {("model." + key[len(decoder):] if key.startswith(decoder) else key): (*value, key)
+            for key, value in headers.items() if key.startswith(decoder) or key == "lm_head.weight"}
 
 
 def read_weight_headers(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -471,8 +476,8 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
                 raise ValueError(f"{file}: not a readable safetensors file: {e}") from None
 
         def read(key: str) -> torch.Tensor:
-            file = headers[key][0]
-            return _read_tensor(handles[file], file, checkpoint_key(model.args, key), device, dtype)
+            file, _, key_in_file = headers[key]
+            return _read_tensor(handles[file], file, key_in_file, device, dtype)
 
         if threads <= 1:
             for key in keys:
@@ -483,7 +488,7 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
         held = 0
         try:
             for key in keys:
-                file, key_in_file = headers[key][0], checkpoint_key(model.args, key)
+                file, _, key_in_file = headers[key]
                 view = handles[file].get_slice(key_in_file)
                 numel = math.prod(view.get_shape())
                 size = numel * max(_ELEMENT_BYTES.get(view.get_dtype(), 1), dtype.itemsize if dtype else 1)
