@@ -121,6 +121,28 @@ def test_without_a_tool_template_tools_are_counted_and_warned(shared, tmp_path):
     assert summary.sources[0].tools_not_rendered == 191
 
 
+def test_openai_tool_calls_without_a_tool_call_template_are_trained_as_json(shared, tmp_path):
+    """Llama 3's template here never mentions tool_calls: rendered as they are, the calls vanish and the turn
+    trains an empty answer; they are trained as JSON lines instead, counted and warned about."""
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    records = [{"messages": [{"role": "user", "content": "1+2?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                             {"role": "tool", "content": "3"}, {"role": "assistant", "content": "It is 3."}]},
+               {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Let me add.",
+                                                                 "tool_calls": [call]}]}]
+    write_jsonl(tmp_path / "calls.jsonl", records)
+    cfg = from_dict(DataConfig, {"sources": [{"path": str(tmp_path / "calls.jsonl")}], "num_workers": 0,
+                                 "tokenizer": str(shared / "tokenizers/llama3"), "cache_dir": str(tmp_path / "c")},
+                    "data")
+    with pytest.warns(UserWarning, match="2 records have tool_calls that the chat template does not render"):
+        mix, _, summary = build_data(cfg)
+    assert summary.sources[0].tool_calls_as_text == 2
+    tok = load_tokenizer(shared / "tokenizers/llama3")
+    line = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    runs = sorted(trained_runs(tok, *mix.doc(i)) for i in range(2))
+    assert runs == [[f"Let me add.\n{line}<|eot_id|>"], [f"{line}\n{line}<|eot_id|>", "It is 3.<|eot_id|>"]]
+
+
 @pytest.mark.parametrize("train_on", ["all", "last_assistant"])
 def test_train_on_all_and_last_assistant(shared, train_on):
     # ChatML ends every turn with "<|im_end|>\n": under `all` the newline is trained too

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the meaning of the cached arrays changes (masking rules, layout): old folders stop matching.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls
 
 
 class TokenizedDataset:

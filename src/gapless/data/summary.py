@@ -31,6 +31,7 @@ class SourceSummary:
     target_tokens: int  # tokens with a loss (the next-token targets of trained tokens)
     first_errors: list[str]  # the first few skipped records, file:line and why
     tools_not_rendered: int  # records whose tool definitions the chat template leaves out
+    tool_calls_as_text: int  # records whose OpenAI-style tool_calls are trained as JSON text (the template has none)
 
 
 @dataclass
@@ -68,7 +69,8 @@ class DataSummary:
                 kept=counts.get("kept", 0) + counts.get("truncated", 0) + counts.get("split", 0),
                 truncated=counts.get("truncated", 0), split=counts.get("split", 0), dropped=dropped,
                 docs=len(s.dataset), tokens=meta["tokens"], target_tokens=meta["target_tokens"],
-                first_errors=meta["first_errors"], tools_not_rendered=counts.get("tools_not_rendered", 0)))
+                first_errors=meta["first_errors"], tools_not_rendered=counts.get("tools_not_rendered", 0),
+                tool_calls_as_text=counts.get("tool_calls_as_text", 0)))
         dropped: dict[str, int] = {}
         for r in rows:
             for k, v in r.dropped.items():
@@ -79,6 +81,10 @@ class DataSummary:
             if r.tools_not_rendered:
                 warnings.append(f"{r.name}: {r.tools_not_rendered} records have tool definitions that the chat "
                                 "template does not render (it never mentions `tools`); they are left out")
+            if r.tool_calls_as_text:
+                warnings.append(f"{r.name}: {r.tool_calls_as_text} records have tool_calls that the chat template "
+                                "does not render (it never mentions `tool_calls`); each call is trained as a JSON "
+                                'line {"name", "arguments"} in its assistant turn')
             if cfg.overlong == "split" and r.truncated:
                 warnings.append(f"{r.name}: overlong=split applies to plain text; {r.truncated} longer "
                                 "conversations were truncated")

@@ -95,6 +95,21 @@ class Chunk:
         self.records.append(record)
 
 
+def _name_and_arguments(call) -> dict:
+    """An OpenAI-style tool call ({"type": "function", "function": {"name", "arguments"}}, arguments maybe a JSON
+    string) as {"name", "arguments"}; any other value as it is."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "name" not in function:
+        return call
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # kept as the string it is
+    return {"name": function["name"], "arguments": arguments}
+
+
 class Encoder:
     """Example -> documents of (token ids, loss mask) under one tokenizer, template and settings."""
 
@@ -113,7 +128,14 @@ class Encoder:
                                             add_generation_prompt=add_generation_prompt)
 
     def _for_template(self, m: dict) -> dict:
-        """A tool call as the template expects it: OpenAI-style `tool_calls` when it renders those."""
+        """A tool call as the template expects it: OpenAI-style `tool_calls` when it renders those, else the turn's
+        text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
+        empty answer, so its calls become its content, one JSON object {"name", "arguments"} a line (the form of
+        the is_tool_call turns of ShareGPT/glaive data), after any text it has."""
+        if m.get("tool_calls") and not self.renders_tool_calls:
+            calls = [json.dumps(_name_and_arguments(call), ensure_ascii=False) for call in m["tool_calls"]]
+            text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
         if not (m.get("is_tool_call") and self.renders_tool_calls and "tool_calls" not in m):
             return m
         try:
@@ -132,6 +154,8 @@ class Encoder:
             raise ValueError(f"{ex.where}: the tokenizer has no chat template; set data.chat_template "
                              "(inline Jinja or a .jinja file)")
         messages = [self._for_template(m) for m in ex.messages]
+        if not self.renders_tool_calls and any(m.get("tool_calls") for m in ex.messages):
+            counts["tool_calls_as_text"] += 1
         tools = ex.tools or None
         if tools and not self.renders_tools:
             counts["tools_not_rendered"] += 1
