@@ -120,7 +120,10 @@ def test_every_format_and_column_mapping(tmp_path):
 
 
 BAD = [  # (line written into a JSONL file, reason, what the message names)
-    ('{"messages": [{"role": "user", "content": "a"}', "malformed_json", "not valid JSON"),
+    # the column is the line's own, where the record breaks off (not column 1 of the newline after it)
+    ('{"messages": [{"role": "user", "content": "a"}', "malformed_json", "not valid JSON (Expecting ',' delimiter "
+                                                                         "at column 47)"),
+    ('{"messages": []} }', "malformed_json", "not valid JSON (Extra data at column 18)"),
     ('{"conversation": []}', "missing_field", "messages: missing"),
     ('{"messages": [{"role": "user"}]}', "missing_field", "messages[0].content: missing"),
     ('{"messages": [{"content": "x"}]}', "missing_field", "messages[0].role: missing"),

@@ -152,6 +152,8 @@ def _jsonl_rows(file: Path, lines: Iterable[str | RecordError]):
             continue
         where = f"{file}:{n}"
         try:
+            # without the line's end, so a record that breaks off is located on its own line (e.colno)
+            line = line.rstrip("\r\n")
             row = json.loads(line.removeprefix("\ufeff") if n == 1 else line)  # a UTF-8 BOM (Windows editors)
         except json.JSONDecodeError as e:
             yield where, RecordError(where, None, MALFORMED_JSON, f"not valid JSON ({e.msg} at column {e.colno})")
