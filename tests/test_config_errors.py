@@ -47,3 +47,18 @@ def test_stray_argument_is_an_error(capsys):
     with pytest.raises(SystemExit):
         main(["train", "c.yaml", "--resume", "stray"])
     assert "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    # PyYAML keeps the last of two equal keys: the second lora section would replace the first whole (r back to 16)
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /m}\nlora:\n  r: 8\ndata: {sources: [{path: a.jsonl}]}\nlora:\n  dropout: 0.1\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: not valid YAML: 'lora' is given twice in one mapping "
+                                         r"\(lines 2 and 5\)"):
+        load_config(path)
+    # anchors and merge keys still read, an explicit key overriding a merged one
+    path.write_text("model: {path: /m}\ndata: {sources: [{path: a.jsonl}]}\nlora: &l {r: 8, alpha: 16}\n"
+                    "optim: {lr: 1.0e-3}\nschedule: {kind: linear}\ntrain: {steps: 3}\n")
+    assert load_config(path).lora.r == 8
+    path.write_text("model: {path: /m}\ndata: {sources: [{path: a.jsonl}]}\nlora:\n  <<: {r: 8, alpha: 16}\n  r: 4\n")
+    assert (load_config(path).lora.r, load_config(path).lora.alpha) == (4, 16)

@@ -322,12 +322,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
+    silently, so a second `lora:` section would replace the whole first one."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one mapping (lines {seen[key]} and {line}); "
+                                    "keep one", key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
