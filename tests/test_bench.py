@@ -278,11 +278,13 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
     from gapless.model.loading import model_args_from_config
 
     recipe, model, data, lora = CONFIGS["default"], ModelConfig(path="m"), DataConfig(sources=[]), LoraConfig()
-    assert (recipe.batching, recipe.attn, recipe.lora_kernel, recipe.lora_dropout, recipe.checkpoint) == \
-        (data.batching, model.attn_backend, lora.kernel, lora.dropout, bool(model.activation_checkpointing))
+    assert (recipe.batching, recipe.attn, recipe.lora_kernel, recipe.lora_dropout, recipe.fused_dropout,
+            recipe.checkpoint) == (data.batching, model.attn_backend, lora.kernel, lora.dropout, lora.fused_dropout,
+                                   bool(model.activation_checkpointing))
     assert model.compile == "auto" and recipe.compile and recipe.loss == "fused_compiled"  # auto: on with CUDA
     assert recipe.loss_chunk == DEFAULT_CHUNK_SIZE and recipe.method == "lora"
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
+    assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
     args = model_args_from_config(TINY)
     assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"
     assert resolve_attn(CONFIGS["best"], args, torch.device("cpu"), torch.float32) == ("varlen", "")

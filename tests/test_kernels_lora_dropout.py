@@ -29,7 +29,7 @@ from torch.testing import assert_close
 import gapless.kernels.lora
 from gapless.kernels import lora_dropout
 from gapless.kernels.lora import lora_linear_grouped, lora_linear_reference
-from gapless.kernels.lora_dropout import FUSED_DROPOUT, fused_dropout_applies, keep_threshold
+from gapless.kernels.lora_dropout import FUSED_DROPOUT, FusedDropout, fused_dropout_applies, keep_threshold
 
 triton_only = pytest.mark.skipif(not FUSED_DROPOUT, reason="needs triton and torch.library.triton_op (torch >= 2.6)")
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and FUSED_DROPOUT), reason="needs CUDA and triton")
@@ -75,22 +75,36 @@ def per_layer(x, ws, bs, a_s, b_s, scalings, dropout):
 # CPU, always: the torch path
 
 
-def test_fused_path_applies_only_to_a_training_dropout_on_cuda(monkeypatch):
-    """CPU tensors, eval mode, p = 0 (nn.Identity) and other callables keep torch's dropout; on CUDA with triton an
-    nn.Dropout in training runs fused once enabled (GAPLESS_FUSED_DROPOUT=1), and never without it."""
+def test_fused_path_applies_only_to_a_training_fused_dropout_on_cuda():
+    """CPU tensors, eval mode, p = 0 (nn.Identity), a plain nn.Dropout (lora.fused_dropout: false) and other callables
+    keep torch's dropout; on CUDA with triton a FusedDropout in training runs fused."""
     x = torch.zeros(2, 8)
-    if FUSED_DROPOUT and torch.cuda.is_available():
-        monkeypatch.setattr(lora_dropout, "ENABLED", False)
-        assert not fused_dropout_applies(x.cuda(), nn.Dropout(P).train())
-    monkeypatch.setattr(lora_dropout, "ENABLED", True)
-    assert not fused_dropout_applies(x, nn.Dropout(P).train())
+    assert not fused_dropout_applies(x, FusedDropout(P).train())
     assert not fused_dropout_applies(x, nn.Identity())
     if FUSED_DROPOUT and torch.cuda.is_available():
         xc = x.cuda()
-        assert fused_dropout_applies(xc, nn.Dropout(P).train())
-        assert not fused_dropout_applies(xc, nn.Dropout(P).eval())
+        assert fused_dropout_applies(xc, FusedDropout(P).train())
+        assert not fused_dropout_applies(xc, FusedDropout(P).eval())
+        assert not fused_dropout_applies(xc, nn.Dropout(P).train())
         assert not fused_dropout_applies(xc, nn.Identity())
         assert not fused_dropout_applies(xc, lambda t: t)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lora_config_picks_the_dropout_module(fused):
+    """lora.fused_dropout decides which dropout each LoRA layer holds; the memory model counts masks only without it
+    (or where the fused kernels cannot run: no CUDA)."""
+    from gapless.config import LoraConfig
+    from gapless.model.decoder import CausalLM, ModelArgs
+    from gapless.model.lora import LoraLinear, apply_lora
+
+    args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = apply_lora(CausalLM(args), LoraConfig(r=4, dropout=0.1, fused_dropout=fused))
+    drops = {type(m.lora_dropout) for m in model.modules() if isinstance(m, LoraLinear)}
+    assert drops == ({FusedDropout} if fused else {nn.Dropout})
+    assert not lora_dropout.fused_dropout_available(False)
+    assert lora_dropout.fused_dropout_available(True) == (FUSED_DROPOUT and torch.cuda.is_available())
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -206,7 +220,6 @@ def fused_on(monkeypatch, device: str, seed: int) -> torch.Tensor:
     """Make the LoRA paths run fused on `device` (on the CPU only under the interpreter) with a fixed seed; returns
     the seed tensor."""
     seed_t = torch.full((1,), seed, dtype=torch.int64, device=device)
-    monkeypatch.setattr(lora_dropout, "ENABLED", True)
     monkeypatch.setattr(lora_dropout, "draw_seed", lambda dev: seed_t.clone())
     if device == "cpu":
         monkeypatch.setattr(gapless.kernels.lora, "fused_dropout_applies",
@@ -226,7 +239,7 @@ def test_interpreted_fused_equals_formula_under_its_mask(interpreted, monkeypatc
     dropout(x) = mask * x / (1 - p), the mask materialised from the same seed."""
     seed = fused_on(monkeypatch, "cpu", 1234)
     x, ws, bs, a_s, b_s, dys = lora_group(n, k, ranks, outs)
-    drop = nn.Dropout(P).train()
+    drop = FusedDropout(P).train()
     fn = lora_linear_grouped if len(ranks) > 1 else per_layer
     got = run_group(fn, x, ws, bs, a_s, b_s, dys, drop)
     mask = interpreted(seed, n, k, P)
@@ -286,7 +299,7 @@ def test_cuda_bf16_compiled_fused_equals_formula(on_cuda, monkeypatch, n, k, ran
     x, ws, bs, a_s, b_s, dys = lora_group(n, k, ranks, outs, dtype=torch.bfloat16, device="cuda")
     fn = lora_linear_grouped if len(ranks) > 1 else per_layer
     torch._dynamo.reset()
-    got = run_group(torch.compile(fn, fullgraph=True), x, ws, bs, a_s, b_s, dys, nn.Dropout(P).train())
+    got = run_group(torch.compile(fn, fullgraph=True), x, ws, bs, a_s, b_s, dys, FusedDropout(P).train())
     mask = on_cuda(seed, n, k, P)
     want = run_group(per_layer, x.float(), [w.float() for w in ws], [b.float() for b in bs], a_s, b_s,
                      [dy.float() for dy in dys], lambda t: t * mask / (1 - P))
@@ -309,7 +322,6 @@ def test_cuda_mask_statistics(on_cuda):
 @cuda
 def test_cuda_compiled_layer_runs_fused_without_graph_break(monkeypatch):
     """compile_layers on a bf16 CUDA decoder with LoRA dropout: no graph break, and the fused path is what runs."""
-    monkeypatch.setattr(lora_dropout, "ENABLED", True)
     calls = []
     real = gapless.kernels.lora.lora_dropout_a
     monkeypatch.setattr(gapless.kernels.lora, "lora_dropout_a", lambda *a: calls.append(1) or real(*a))

@@ -109,6 +109,7 @@ class Recipe:
     lora_kernel: str = "reference"
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
     lora_dropout: float = 0.0
+    fused_dropout: bool = True  # lora.fused_dropout: the mask drawn in the A matmul's kernels (CUDA with triton)
     method: str = "lora"  # config.method: lora | qlora (NF4 base) | full (every weight, float32 masters)
 
     def describe(self) -> str:
@@ -116,7 +117,8 @@ class Recipe:
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
                          + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
-                         + ([f"LoRA dropout {self.lora_dropout:g}"] if self.lora_dropout else [])
+                         + ([f"LoRA dropout {self.lora_dropout:g}" + ("" if self.fused_dropout else " (torch)")]
+                            if self.lora_dropout else [])
                          + ([f"method {self.method}"] if self.method != "lora" else []))
 
 
@@ -128,7 +130,8 @@ CONFIGS = {
     "packed_fused_flex": Recipe("packed", "flex", "fused"),
     "packed_fused_compile": Recipe("packed", "varlen", "fused_compiled", compile=True),
     "best": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped"),
-    # best with LoRA dropout 0.05 (the seed's recipe): grouped LoRA keeps one mask per group (gapless.kernels.lora)
+    # best with LoRA dropout 0.05 (the seed's recipe): one mask per group (gapless.kernels.lora), drawn in the fused
+    # kernels since lora.fused_dropout (its rows before run s11-default2 ran torch's dropout and saved the masks)
     "best_dropout": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="grouped",
                            lora_dropout=0.05),
     # the loss chunk before it was halved (kernels/loss.py): 1.4 GiB more at the step's peak, the same speed
@@ -157,6 +160,9 @@ CONFIGS = {
     "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
     "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
                               lora_dropout=0.05),
+    # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
+    "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
+                                    lora_dropout=0.05, fused_dropout=False),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
@@ -179,7 +185,8 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     """The architecture with random weights (no checkpoint on disk), assembled as a run assembles its model
     (gapless.train.assemble: built on meta, the method, checkpointing, compile, then the weights), and the recipe's
     loss."""
-    lora = LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout)
+    lora = LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout,
+                      fused_dropout=recipe.fused_dropout)
     recipe = replace(recipe, attn=resolve_attn(recipe, args, device, dtype)[0])
     method = {"lora": lambda: Lora(lora), "qlora": lambda: Qlora(lora, dtype), "full": Full}[recipe.method]()
     with torch.device("meta"):

@@ -17,11 +17,10 @@ removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_co
 matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
 neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
 
-Dropout: `dropout` is what LoraLinear holds (an nn.Dropout, or nn.Identity at p = 0) or any callable on x. An
-nn.Dropout in training on a CUDA tensor with triton importable and GAPLESS_FUSED_DROPOUT=1 (opt-in until its GPU
-tests have run) runs the A matmul fused (gapless.kernels.lora_dropout: the mask drawn in registers from a seed,
-never stored; its docstring says exactly how masks are drawn); anything else runs dropout(x) and the A matmul in
-torch, as before.
+Dropout: `dropout` is what LoraLinear holds (a FusedDropout, an nn.Dropout under lora.fused_dropout: false, or
+nn.Identity at p = 0) or any callable on x. A FusedDropout in training on a CUDA tensor with triton importable runs
+the A matmul fused (gapless.kernels.lora_dropout: the mask drawn in registers from a seed, never stored; its
+docstring says exactly how masks are drawn); anything else runs dropout(x) and the A matmul in torch.
 """
 from __future__ import annotations
 

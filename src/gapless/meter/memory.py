@@ -223,7 +223,7 @@ def estimate_kwargs(cfg, compiled: bool | None = None) -> dict:
     return {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
             "lora_dropout": cfg.lora.dropout, "lora_kernel": cfg.lora.kernel,
             # this machine's answer: a plan made on a CPU machine for a GPU run counts the masks (an overestimate)
-            "lora_dropout_fused": fused_dropout_available(),
+            "lora_dropout_fused": fused_dropout_available(cfg.lora.fused_dropout),
             "activation_checkpointing": cfg.model.activation_checkpointing,
             "compiled": cfg.model.compile is not False if compiled is None else compiled,
             "loss_chunk": DEFAULT_CHUNK_SIZE}

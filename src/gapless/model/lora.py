@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
 from gapless.kernels.lora import lora_linear_concat, lora_linear_grouped, lora_linear_reference
+from gapless.kernels.lora_dropout import FusedDropout
 from gapless.model.export import atomic_folder, save_pretrained  # noqa: F401  (save_pretrained: merged export)
 from gapless.model.families import family
 from gapless.model.loading import PICKLE_SUFFIXES
@@ -47,7 +48,7 @@ class LoraLinear(nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update, with PEFT's parameter names."""
 
     def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float, dtype: torch.dtype, *,
-                 kernel: LoraKernel):
+                 kernel: LoraKernel, fused_dropout: bool = True):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         # the base layer's own Parameters, not copies: same memory, same state-dict keys
@@ -56,7 +57,9 @@ class LoraLinear(nn.Module):
         device = base.weight.device
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # FusedDropout: the mask drawn inside the A matmul's kernels where they run (gapless.kernels.lora_dropout)
+        drop = FusedDropout if fused_dropout else nn.Dropout
+        self.lora_dropout = drop(dropout) if dropout > 0 else nn.Identity()
         self.scaling = scaling
         # "reference": the plain formula autograd differentiates, one layer at a time; "grouped": the same formula,
         # with the A matmuls of layers reading the same input as one (group_forward)
@@ -201,7 +204,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     assert targets, f"no linear layers named {cfg.target_modules} under model.layers"
     for name in targets:
         _set_submodule(model, name, LoraLinear(model.get_submodule(name), cfg.r, cfg.scaling, cfg.dropout,
-                                               adapter_dtype, kernel=kernel))
+                                               adapter_dtype, kernel=kernel, fused_dropout=cfg.fused_dropout))
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith((".lora_A.weight", ".lora_B.weight"))
     model.lora_config = cfg
