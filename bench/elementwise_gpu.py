@@ -198,12 +198,19 @@ def main(argv=None) -> int:
     rows = []
     for name, inputs, grads, floor, compiled, liger_fn in pieces(opts.tokens, device, liger):
         floor_ms = floor / (peak if name == "loss" else bw) * 1e3
+        # Liger's SwiGLU backward writes its gradients into the saved inputs (gate and up) in place: after it has
+        # run, `inputs` hold gradients, not activations. Each comparison gets fresh copies of the values as drawn
+        # (the first H100 run compared on overwritten inputs and printed a max |diff| of 8,192 for swiglu)
+        drawn = [t.detach().clone() for t in inputs]
+
+        def fresh():
+            return [d.clone().requires_grad_(t.requires_grad) for d, t in zip(drawn, inputs)]
         c_ms = timed(compiled, inputs, grads)
         l_ms = diff = None
         if liger_fn is not None:
             try:
-                l_ms = timed(liger_fn, inputs, grads)
-                ref, got = grads_of(compiled, inputs, grads), grads_of(liger_fn, inputs, grads)
+                l_ms = timed(liger_fn, fresh(), grads)
+                ref, got = grads_of(compiled, fresh(), grads), grads_of(liger_fn, fresh(), grads)
                 diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
             except Exception as e:  # a Liger version whose signature differs: say so, keep the compiled row
                 print(f"  {name}: liger failed: {type(e).__name__}: {e}")

@@ -230,7 +230,8 @@ def check_kernels(env: dict, cfg: RunConfig | None = None) -> list[Finding]:
             elif not ok and env["gpu"]["cuda_available"]:
                 out += _f("env.kernel.flash-attn-4", "info", f"flash-attn-4 not importable ({status})",
                           f"{FA4_GAIN:.1%} of throughput (fa4_op vs varlen, Llama-3.2-3B on an H200)",
-                          "install flash-attn-4 and set model.attn_backend: fa4_op")
+                          "pip install 'gapless[gpu]' (flash-attn-4); model.attn_backend: auto then runs fa4_op"
+                          if backend == "auto" else "pip install 'gapless[gpu]' and set model.attn_backend: auto")
             else:
                 out += _f("env.kernel.flash-attn-4", "ok" if ok else "info",
                           "flash-attn-4 imports" if ok else f"{NO_GPU}: flash-attn-4 not importable ({status})")

@@ -105,7 +105,9 @@ H200_RUNS = {
     "llama-3.2-3b": (3_212_574_720, 0.5836, 32_947),
     "llama-3.1-8b": (7_504_658_432, 0.6541, 16_095),
 }
-STARTUP_S = 86.0  # loading, compile, first step: 85.8 s in the 1B real run on the H200 (bench/RESULTS.md, pipeline)
+# imports, loading, data, compile and the first step: the example 3B config from process start to the end of step 1
+# with empty caches, 38.9 s on an H100 (25.5 s with warm caches; bench/RESULTS.md, ninth round, run s11-startup)
+STARTUP_S = 39.0
 EFFICIENCY_FLOOR = 0.8  # below this, an extra GPU buys less than 80% of a GPU's worth of speed
 TIGHT = 0.9  # a predicted peak over 90% of the GPU's memory is tight: fragmentation and long batches can end the run
 
