@@ -252,3 +252,22 @@ def test_a_killed_worker_breaks_the_pool_instead_of_hanging(tmp_path, tokenizer,
     monkeypatch.setattr(tokenize.Encoder, "encode_chunk", dying)
     with pytest.raises(RuntimeError, match="tokenizer worker process died"):
         build_data(config(tmp_path, tokenizer, many_records(tmp_path), "messages", num_workers=2))
+
+
+def test_a_cache_hit_loads_no_tokenizer_and_still_checks_the_vocabulary(tmp_path, tokenizer, monkeypatch):
+    """A warm start reads the cache without importing transformers or parsing the tokenizer (4.9 of 5.1 s of a warm
+    start's data on the CPU); the tokenizer's size kept in the cache's meta still refuses a smaller model."""
+    path = tmp_path / "ok.jsonl"
+    path.write_text(line(GOOD) * 3)
+    cfg = config(tmp_path, tokenizer, path, "messages")
+    n = demo_task.vocab_size()
+    assert build_data(cfg, vocab_size=n)[2].sources[0].cache == "miss"
+
+    def no_loading(folder):
+        raise AssertionError("the tokenizer was loaded on a cache hit")
+
+    monkeypatch.setattr(tokenize, "load_tokenizer", no_loading)
+    mix, _, summary = build_data(cfg, vocab_size=n)
+    assert summary.sources[0].cache == "hit" and len(mix) == 3
+    with pytest.raises(ValueError, match=f"has {n} tokens, the model's embedding has {n - 4} rows"):
+        build_data(cfg, vocab_size=n - 4)
