@@ -149,8 +149,8 @@ def pieces(T: int, device, liger: bool):
         # rope: fwd reads q, k, writes both; bwd the same: 4 passes of q and k (cos/sin are [T, D], small)
         ("rope", [q, k], [rand(1, T, NH, HD, grad=False), rand(1, T, KV, HD, grad=False)],
          4 * T * (NH + KV) * HD * e, torch.compile(rope, dynamic=False), None),
-        # loss: logits forward, dhidden; the head is frozen (LoRA): 2 GEMMs of T x V x H, plus the recompute the
-        # chunked loss does in backward (3 in all for ours); the floor counts 2
+        # loss: the head is frozen (LoRA): 2 GEMMs of T x V x H (the logits, then dhidden, both in the forward for
+        # ours and Liger's alike: neither recomputes in backward); the floor counts those 2
         ("loss", [hidden], [torch.ones((), device=device)], 2 * 2 * T * V * H, loss_ours, None),
     ]
     if liger:
