@@ -20,10 +20,13 @@
 #                                  written first; carry ../shared/data/messages as .carry/messages and
 #                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
 #                                  reading threads (bench/load_time.py) and the loading GPU test
-#   bash bench/run_gpu.sh default  fast2's targets: `default` on Llama-3.2-3B (and with dropout 0.05) beside HF+PEFT+Liger,
-#                                  on Llama-3.1-8B (TOKENS_8B, 16,384) and Llama-3.2-1B, the elementwise pieces against
-#                                  Liger (bench/elementwise_gpu.py), then best_fa4_concat; carry
-#                                  flash-attn-4's wheels (.whl/fa4*/, see below) for the fa4_op default
+#   bash bench/run_gpu.sh peer     HF+PEFT+Liger packed on Llama-3.2-3B at PEER_TOKENS (16,384 where the GPU has over
+#                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
+#                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
+#   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/fa4b: flash-attn-4 installed, so `auto`
+#                                  runs fa4_op): `default`, `default_concat` (LoRA inside the base GEMMs) and
+#                                  `default_dropout` on Llama-3.2-3B, then `default` on Llama-3.1-8B (TOKENS_8B: 16,384
+#                                  over 100 GiB, else 8,192) and Llama-3.2-1B
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -89,6 +92,10 @@ torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers._
 } 2>&1 | tee "$OUT/env.txt"
 
 M3=bench/models/llama-3.2-3b
+# 16,384 tokens a step where the GPU has over 100 GiB (the H200), else 8,192 (the H100's 79 GiB: HF+PEFT+Liger and
+# Llama-3.1-8B ran out of it at 16,384, run s11-default)
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+BIG_TOKENS=$(( ${GPU_MIB:-0} > 102400 ? 16384 : 8192 ))
 if [[ $MODE == tests ]]; then
   timeout -k 10 "$BUDGET" "$PY" -m pytest -q -m gpu tests/ 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
   exit "${PIPESTATUS[0]}"
@@ -101,19 +108,16 @@ elif [[ $MODE == startup ]]; then
   timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 1,8 --repeats 2 --cold \
     2>&1 | tee "$OUT/load_time.log"
   timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
+elif [[ $MODE == peer ]]; then
+  bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}" \
+    --tokens-per-batch "${PEER_TOKENS:-$BIG_TOKENS}"
 elif [[ $MODE == default ]]; then
   # issue fast2's targets: `default`, what a default config resolves to here (fa4_op where flash-attn-4 was carried,
-  # the row's attn says), on Llama-3.2-3B beside HF+PEFT+Liger packed, with LoRA dropout 0.05, on Llama-3.1-8B and
-  # Llama-3.2-1B, then LoRA inside the base GEMMs (best_fa4_concat) if time is left. Reserves: a 3B config ~100 s,
-  # the peer ~70 s, 8B ~130 s, 1B ~70 s
-  bench 380 --model $M3 --config default,default_dropout
-  bench 300 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}"
-  bench 120 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-16384}"
-  bench 100 --model bench/models/llama-3.2-1b --config default
-  # the elementwise pieces as compiled against Liger's kernels (item 4), then LoRA inside the base GEMMs
-  timeout -k 10 $(( $(left 60) > 20 ? $(left 60) : 20 )) "$PY" bench/elementwise_gpu.py --out "$OUT/elementwise.jsonl" \
-    2>&1 | tee "$OUT/elementwise.txt"
-  bench 0 --model $M3 --config best_fa4_concat
+  # the row's attn says), beside LoRA inside the base GEMMs and LoRA dropout 0.05, on Llama-3.2-3B; then Llama-3.1-8B
+  # and Llama-3.2-1B. Reserves: 8B ~130 s, 1B ~70 s (the H100's calls: a 3B config ~75 s after the first's compile)
+  bench 200 --model $M3 --config default,default_concat,default_dropout
+  bench 75 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-$BIG_TOKENS}"
+  bench 0 --model bench/models/llama-3.2-1b --config default
 elif [[ $MODE == methods ]]; then
   # issue methods: QLoRA and full fine-tuning on best's path, the seed's HF QLoRA stack beside; best_dropout (fast2)
   bench 120 --model $M3 --config qlora_best,full_best,best_dropout,best
