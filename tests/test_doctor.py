@@ -345,6 +345,18 @@ def test_compile_off_on_a_gpu(demo):
     assert d.check_compile(cfg_of(demo, "model.compile=false"), cpu_env())[0].severity == "ok"
 
 
+def test_lora_dropout_through_torch_on_a_gpu(demo):
+    """lora.fused_dropout false with dropout on a GPU costs the saved masks; the default (fused) is clean."""
+    (f,) = d.check_lora_dropout(cfg_of(demo, "lora.dropout=0.05", "lora.fused_dropout=false", "model.device=auto"),
+                                gpu_env())
+    assert f.severity == "warning" and f.fix == "lora.fused_dropout: true" and f.cost.startswith("2.7%")
+    (f,) = d.check_lora_dropout(cfg_of(demo, "lora.dropout=0.05", "model.device=auto"), gpu_env())
+    assert f.severity == "ok" and "no mask saved" in f.detail
+    assert d.check_lora_dropout(cfg_of(demo, "lora.dropout=0.05", "lora.fused_dropout=false"), cpu_env())[0] \
+        .severity == "ok"
+    assert d.check_lora_dropout(cfg_of(demo), gpu_env())[0].detail == "no LoRA dropout"
+
+
 # ---------------------------------------------------------------------------------------------
 # the doctor end to end, on this machine
 

@@ -32,6 +32,10 @@ LOG_SYNC_SHARE = 583 / 55_735
 EAGER_SHARE = 23_823 / 32_979
 # flash-attn-4 behind torch custom ops against torch's varlen, README (Llama-3.2-3B, H200): 36,400 vs 34,100 tok/s.
 FA4_GAIN = 36_400 / 34_100 - 1
+# LoRA dropout 0.05 on Llama-3.2-3B, H100, run s11-default2 (bench/RESULTS.md, ninth round): torch's dropout 31,534
+# tok/s at 56.9 GiB, the fused kernels (lora.fused_dropout) 32,419 at 46.9 GiB
+TORCH_DROPOUT_COST = 1 - 31_534 / 32_419
+TORCH_DROPOUT_GIB = 56.9 - 46.9
 # activation checkpointing recomputes each layer's forward in backward. LoRA: forward 2 FLOPs per frozen weight per
 # token, backward 2 more (gapless.meter.flops) -> 4 becomes 6: 1 - 4/6 = 33% of throughput. Full fine-tuning:
 # 6 -> 8: 25%.
@@ -711,6 +715,22 @@ def check_compile(cfg: RunConfig, env: dict) -> list[Finding]:
               + ("" if _is_gpu(cfg, env) else f" ({NO_GPU}: compile auto is off on the CPU)"))
 
 
+def check_lora_dropout(cfg: RunConfig, env: dict) -> list[Finding]:
+    """LoRA dropout through torch's nn.Dropout (lora.fused_dropout: false) on a GPU: the masks it saves cost speed
+    and memory that the fused kernels do not."""
+    if cfg.method == "full" or cfg.lora.dropout == 0:
+        return _f("cfg.lora_dropout", "ok", "no LoRA dropout" if cfg.method != "full" else "full fine-tuning: no LoRA")
+    if cfg.method == "lora" and not cfg.lora.fused_dropout and _is_gpu(cfg, env):
+        return _f("cfg.lora_dropout", "warning", f"lora.dropout {cfg.lora.dropout:g} through torch's dropout "
+                  "(lora.fused_dropout false): a bool mask per group is saved for backward",
+                  f"{TORCH_DROPOUT_COST:.1%} of throughput and {TORCH_DROPOUT_GIB:.0f} GiB of peak memory (Llama-3.2-3B "
+                  "at 16,384 tokens, H100)", "lora.fused_dropout: true")
+    where = {"qlora": "QLoRA's layers draw it with torch's dropout (masks saved)",
+             "lora": "drawn in the fused kernels, no mask saved" if cfg.lora.fused_dropout and _is_gpu(cfg, env)
+             else "torch's dropout" + ("" if _is_gpu(cfg, env) else f" ({NO_GPU})")}[cfg.method]
+    return _f("cfg.lora_dropout", "ok", f"lora.dropout {cfg.lora.dropout:g}: {where}")
+
+
 # ---------------------------------------------------------------------------------------------
 # the doctor
 
@@ -731,7 +751,8 @@ def quick_checks(cfg: RunConfig, env: dict | None = None) -> list[Finding]:
     auto = cfg.data.tokens_per_batch == "auto"
     cfg, found = resolve_auto_tokens(cfg, env, args, gpus)
     out += found + check_tokens_per_step(cfg, 1.0, gpus) + check_accumulation(cfg) + check_logging(cfg) + \
-        check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + check_compile(cfg, env)
+        check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + \
+        check_compile(cfg, env) + check_lora_dropout(cfg, env)
     return out
 
 
@@ -850,7 +871,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     findings += check_logging(cfg)
     findings += check_memory(cfg, env, args, gpus)
     findings += check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + \
-        check_compile(cfg, env)
+        check_compile(cfg, env) + check_lora_dropout(cfg, env)
     return {"findings": findings, "facts": facts}
 
 
