@@ -102,6 +102,20 @@ def test_lora_dropout_fused_keeps_no_masks():
         pytest.approx(100 * 2 * 320)
 
 
+def test_estimate_kwargs_counts_no_masks_for_fused_dropout_on_a_gpu():
+    """A GPU run (the default: plans for GPUs made anywhere) with lora.fused_dropout keeps no masks; a CPU run or
+    lora.fused_dropout false counts them."""
+    from gapless.config import DataConfig, ModelConfig, RunConfig
+    from gapless.meter.memory import estimate_kwargs
+
+    def cfg(fused):
+        return RunConfig(ModelConfig(path="m"), DataConfig(), lora=LoraConfig(dropout=0.05, fused_dropout=fused))
+
+    assert estimate_kwargs(cfg(True))["lora_dropout_fused"]
+    assert not estimate_kwargs(cfg(True), compiled=False, gpu=False)["lora_dropout_fused"]
+    assert not estimate_kwargs(cfg(False))["lora_dropout_fused"]
+
+
 @pytest.mark.parametrize("model, chunk, measured", [
     ("llama-3.2-1b", 4096, 24.23), ("llama-3.2-3b", 4096, 48.24), ("llama-3.2-3b", 2048, 46.78),
     ("llama-3.1-8b", 4096, 87.07),

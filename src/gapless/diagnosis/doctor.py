@@ -600,7 +600,7 @@ def memory_setting(cfg: RunConfig, env: dict, gpus: int = 1) -> tuple[int, int, 
     rank = d.tokens_per_batch if gpus == 1 or d.tokens_per_batch == "auto" else \
         max(d.max_seq_len, d.tokens_per_batch // gpus // d.max_seq_len * d.max_seq_len)
     compiled = cfg.model.compile is True or (cfg.model.compile == "auto" and _is_gpu(cfg, env))
-    return rank, gpus if strategy == "fsdp2" else 1, strategy, estimate_kwargs(cfg, compiled)
+    return rank, gpus if strategy == "fsdp2" else 1, strategy, estimate_kwargs(cfg, compiled, _is_gpu(cfg, env))
 
 
 def check_memory(cfg: RunConfig, env: dict, args, gpus: int = 1) -> list[Finding]:

@@ -64,12 +64,6 @@ def fused_dropout_applies(x: Tensor, dropout: object) -> bool:
             and dropout.p > 0)
 
 
-def fused_dropout_available(fused: bool) -> bool:
-    """Whether this machine runs LoRA dropout fused when lora.fused_dropout is `fused` (a CUDA device, triton,
-    triton_op): the memory model counts no mask bytes then."""
-    return fused and FUSED_DROPOUT and torch.cuda.is_available()
-
-
 def keep_threshold(p: float) -> int:
     """The 16-bit threshold a draw must reach to keep its element (module docstring)."""
     threshold = round(p * 2 ** 16)

@@ -214,16 +214,15 @@ def max_tokens(args: ModelArgs, method: str, budget_gib: float, **kwargs) -> int
     return max(0, int(room // one.per_token_bytes))
 
 
-def estimate_kwargs(cfg, compiled: bool | None = None) -> dict:
+def estimate_kwargs(cfg, compiled: bool | None = None, gpu: bool = True) -> dict:
     """estimate_memory's keyword arguments for a RunConfig. compiled: None = as on a GPU, where model.compile auto
-    compiles (pass False for a CPU run)."""
-    from gapless.kernels.lora_dropout import fused_dropout_available
+    compiles (pass False for a CPU run); gpu: the run is on a GPU, where lora.fused_dropout draws LoRA dropout's
+    masks in the fused kernels and keeps none (a plan for GPUs made on a CPU machine counts as a GPU run)."""
     from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 
     return {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
             "lora_dropout": cfg.lora.dropout, "lora_kernel": cfg.lora.kernel,
-            # this machine's answer: a plan made on a CPU machine for a GPU run counts the masks (an overestimate)
-            "lora_dropout_fused": fused_dropout_available(cfg.lora.fused_dropout),
+            "lora_dropout_fused": gpu and cfg.lora.fused_dropout,
             "activation_checkpointing": cfg.model.activation_checkpointing,
             "compiled": cfg.model.compile is not False if compiled is None else compiled,
             "loss_chunk": DEFAULT_CHUNK_SIZE}
