@@ -303,3 +303,19 @@ def test_harmless_keys_are_listed_and_their_harmful_values_refused(files):
         convert({**ax, "special_tokens": {"pad_token": "<pad>", "eos_token": "<|im_end|>"}})
     with pytest.raises(ValueError, match="saves_per_epoch: 1: gapless saves every N optimizer steps: save_steps"):
         convert({**ax, "saves_per_epoch": 1})
+
+
+def test_trl_prompt_completion_trains_the_completion(files, tmp_path):
+    """TRL's completion_only_loss (None) trains only the completion of prompt-completion data, whatever
+    assistant_only_loss says: train_on all trained the prompts too."""
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text(json.dumps({"prompt": "shift: ab", "completion": "bc"}) + "\n")
+    raw = {"model_name_or_path": str(files["model"]), "dataset_name": str(pc), "max_length": 64,
+           "learning_rate": 1e-4}
+    conv = convert(raw)
+    assert conv.config["data"]["train_on"] == "assistant"
+    assert "completion_only_loss: null" in conv.format()
+    assert convert({**raw, "completion_only_loss": False}).config["data"]["train_on"] == "all"
+    chat = convert({**raw, "dataset_name": str(files["trl_chat"]), "completion_only_loss": True})
+    assert chat.config["data"]["train_on"] == "all"  # conversational data: everything, as TRL
+    assert "completion_only_loss: true" in chat.format()

@@ -744,18 +744,27 @@ def convert_trl(raw: dict) -> Conversion:
         c.conv.applied.append((f"dataset_name: {dataset}", f"data.sources[0]: {source}"))
     if c.get("dataset_train_split") not in (None, "train"):
         c.refuse("dataset_train_split", "gapless reads the whole file; split it into its own file")
-    # the loss mask: TRL trains everything of a conversation unless assistant_only_loss; completions only for
-    # prompt-completion data (completion_only_loss None = True there)
-    if c.get("assistant_only_loss"):
+    # the loss mask: TRL trains everything of a conversation unless assistant_only_loss, and only the completion of
+    # prompt-completion data unless completion_only_loss is false (None = True there). gapless's train_on is one
+    # setting for the run, so it follows the data's format, read from its first record.
+    prompt_completion = not c.has("dataset_text_field") and _first_format(source) == "prompt_completion"
+    completion_only = c.get("completion_only_loss")
+    if prompt_completion:
+        train_on = "all" if completion_only is False else "assistant"
+        how = ("completion_only_loss false: the prompt trains too" if completion_only is False else
+               "prompt-completion data: TRL trains the completion only (completion_only_loss unset or true)")
+        c.conv.applied.append((f"completion_only_loss: {_show(completion_only)}", f"data.train_on: {train_on}  ({how})"))
+        _set(c.out, "data.train_on", train_on)
+        if "assistant_only_loss" in raw:
+            c.note("assistant_only_loss", "for conversational data; this data is prompt-completion")
+    elif c.get("assistant_only_loss"):
         c.put("assistant_only_loss", "data.train_on", "assistant")
     else:
         c.conv.applied.append(("assistant_only_loss: " + _show(raw.get("assistant_only_loss", False)),
                                "data.train_on: all  (TRL trains every token of a conversation by default)"))
         _set(c.out, "data.train_on", "all")
-    if c.get("completion_only_loss") is False:
-        c.refuse("completion_only_loss", "gapless trains the completion of prompt-completion data only")
-    elif "completion_only_loss" in raw:
-        c.note("completion_only_loss", "prompt-completion data trains the completion")
+    if not prompt_completion and "completion_only_loss" in raw:
+        c.note("completion_only_loss", "for prompt-completion data; this data is not")
     # the method: use_peft (PEFT's LoRA), load_in_4bit (QLoRA), else full fine-tuning
     if c.get("use_peft"):
         c.method("use_peft", "qlora" if c.get("load_in_4bit") else "lora")
@@ -775,6 +784,22 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _first_format(source: dict) -> str | None:
+    """The format of the first record of a source's files (None when they cannot be read: the data pipeline says
+    why when the run starts)."""
+    from gapless.config import SourceConfig
+    from gapless.data.formats import detect_format, read_rows, resolve_files
+
+    if "path" not in source or source.get("format"):
+        return source.get("format")
+    try:
+        for where, row in read_rows(resolve_files(source["path"])[0]):
+            return None if isinstance(row, ValueError) else detect_format(row, SourceConfig(**source).columns, where)
+    except (ValueError, OSError):
+        return None
+    return None
 
 
 def _trl_report_to(c: _Converter) -> None:
