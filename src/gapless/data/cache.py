@@ -40,7 +40,8 @@ class TokenizedDataset:
 
     @classmethod
     def open(cls, folder: Path) -> TokenizedDataset:
-        meta = json.loads((folder / "meta.json").read_text())
+        # the folder's name is the cache key: the content of the files and the settings that tokenized them
+        meta = {**json.loads((folder / "meta.json").read_text()), "key": folder.name}
         offsets = np.load(folder / "offsets.npy")
         n = int(offsets[-1])
         # np.memmap refuses empty files; an all-dropped source has no tokens
