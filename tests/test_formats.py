@@ -190,3 +190,31 @@ def test_config_errors_name_the_field():
     assert error({"sources": [src], "eval_fraction": 1.0}).startswith("data.eval_fraction:")
     assert error({"sources": [src], "chat_template": "nope.jinja"}).startswith("data.chat_template: file")
     assert error({"sources": [src], "train_on": "assistants"}).startswith("data.train_on:")
+
+
+def test_common_hub_shapes_read(tmp_path):
+    """A folder of files of different formats (auto is per file, as documented: it was decided once per source, so
+    the second format's records failed), OpenAI's content parts, TRL's conversational prompt-completion."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    (folder / "b.jsonl").write_text(json.dumps({"instruction": "hi", "input": "", "output": "yo"}) + "\n")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert [e.messages for e in examples(SourceConfig(path=str(folder)))] == [chat, chat]
+
+    parts = tmp_path / "parts.jsonl"
+    parts.write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                                   {"role": "assistant", "content": "yo"}]}) + "\n")
+    got = examples(SourceConfig(path=str(parts)))
+    assert got[0].messages == chat
+    assert isinstance(got[1], RecordError) and got[1].where.endswith("parts.jsonl:2")
+    assert "messages[0].content[0]: a 'image_url' content part" in str(got[1])
+
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text(json.dumps({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+                              "completion": [{"role": "assistant", "content": "yo"}]}) + "\n")
+    assert examples(SourceConfig(path=str(pc)))[0].messages == [{"role": "system", "content": "s"}, *chat]

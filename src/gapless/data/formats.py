@@ -6,6 +6,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   alpaca             {"instruction", "input"?, "output" (or "response"), "system"?}
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
+A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
+lists of turns (TRL's conversational prompt-completion).
 Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow; globs;
 folders of such files; folders written by datasets' `save_to_disk`.
 
@@ -262,8 +264,8 @@ def _arrow_rows(file: Path, kind: str):
 def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[Example | RecordError]:
     """Every record of a source, in file order, as an Example or the RecordError that rejects it."""
     roles = {**DEFAULT_ROLES, **src.roles}
-    fmt = src.format
     for file in files if files is not None else resolve_files(src.path):
+        fmt = src.format  # auto: detected per file (a folder may hold files of several formats)
         for where, row in read_rows(file):
             if isinstance(row, RecordError):
                 yield row
@@ -337,6 +339,18 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         user = instruction + (f"\n\n{extra}" if extra else "")
         return Example(where, messages=_chat(system, user, text(response)))
     if fmt == "prompt_completion":
+        prompt, completion = field("prompt"), field("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
+            turns = {}
+            for name, value in (("prompt", prompt), ("completion", completion)):
+                if not isinstance(value, list):
+                    raise RecordError(where, name, BAD_VALUE, f"expected a list of turns like the other field, got "
+                                      f"{type(value).__name__}")
+                turns[name] = [_message(t, i, name, columns.get("role", "role"), columns.get("content", "content"),
+                                        roles, where) for i, t in enumerate(_json_list(value, name, where))]
+            system = text("system", False)
+            return Example(where, messages=([{"role": "system", "content": system}] if system else [])
+                           + turns["prompt"] + turns["completion"])
         return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")))
     raise AssertionError(fmt)
 
@@ -375,6 +389,8 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
                           f"unknown role {turn[role_key]!r}; known: {sorted(roles)}; map it with the "
                           f"source's roles: {{{turn[role_key]}: user|assistant|system|tool|tool_call}}")
     content = turn.get(content_key)
+    if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+        content = _text_parts(content, where, f"{field}.{content_key}")
     if content is None and not turn.get("tool_calls"):
         raise RecordError(where, f"{field}.{content_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
     if content is not None and not isinstance(content, str):
@@ -385,6 +401,21 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
     if role == "tool_call":
         message.update(role="assistant", is_tool_call=True)
     return message
+
+
+def _text_parts(parts: list, where: str, field: str) -> str:
+    """The text of a turn given as content parts, concatenated; a part of another type (an image, audio) refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RecordError(where, f"{field}[{j}]", BAD_VALUE, f"a {kind!r} content part; gapless trains on text: "
+                              "keep the text parts ({type: text, text: ...}) or remove the record")
+    return "".join(texts)
 
 
 def _tools(value: Any, where: str) -> list | None:
