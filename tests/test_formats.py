@@ -218,3 +218,25 @@ def test_common_hub_shapes_read(tmp_path):
     pc.write_text(json.dumps({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
                               "completion": [{"role": "assistant", "content": "yo"}]}) + "\n")
     assert examples(SourceConfig(path=str(pc)))[0].messages == [{"role": "system", "content": "s"}, *chat]
+
+
+def test_gzipped_json_reads_as_its_text(tmp_path):
+    import gzip
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(3)]
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "arr.json.gz", "wt") as f:
+        f.write(json.dumps(rows, indent=1))
+    for name in ("train.jsonl.gz", "arr.json.gz"):
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert [e.messages for e in got] == [r["messages"] for r in rows], name
+    assert examples(SourceConfig(path=str(tmp_path / "train.jsonl.gz")))[2].where.endswith("train.jsonl.gz:3")
+    assert [f.name for f in resolve_files(str(tmp_path))] == ["arr.json.gz", "train.jsonl.gz"]
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00broken")
+    with pytest.raises(ValueError, match="bad.jsonl.gz: not a readable gzip file"):
+        examples(SourceConfig(path=str(tmp_path / "bad.jsonl.gz")))
+    (tmp_path / "x.jsonl.zst").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"x.jsonl.zst: unsupported file type '.zst'.*decompress it first"):
+        resolve_files(str(tmp_path / "x.jsonl.zst"))

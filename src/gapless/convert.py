@@ -753,7 +753,8 @@ def convert_trl(raw: dict) -> Conversion:
         train_on = "all" if completion_only is False else "assistant"
         how = ("completion_only_loss false: the prompt trains too" if completion_only is False else
                "prompt-completion data: TRL trains the completion only (completion_only_loss unset or true)")
-        c.conv.applied.append((f"completion_only_loss: {_show(completion_only)}", f"data.train_on: {train_on}  ({how})"))
+        c.conv.applied.append((f"completion_only_loss: {_show(completion_only)}",
+                               f"data.train_on: {train_on}  ({how})"))
         _set(c.out, "data.train_on", train_on)
         if "assistant_only_loss" in raw:
             c.note("assistant_only_loss", "for conversational data; this data is prompt-completion")

@@ -8,7 +8,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   text               {"text"} for continued pre-training
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
 lists of turns (TRL's conversational prompt-completion).
-Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow; globs;
+Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
+(.jsonl.gz); globs;
 folders of such files; folders written by datasets' `save_to_disk`.
 
 A bad record is never dropped here: it comes out as a `RecordError` naming the file, the line
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import csv
 import glob
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,8 @@ DEFAULT_ROLES = {
 }
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
             ".csv": "csv", ".arrow": "arrow"}
+# gzip'ed JSON (`train.jsonl.gz`, as many hub datasets ship it) is read as it streams
+GZIPPED = (".jsonl.gz", ".ndjson.gz", ".json.gz")
 # The reasons a record is skipped under on_error: skip (the summary counts each).
 MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
@@ -84,8 +89,10 @@ def resolve_files(path: str) -> list[Path]:
 
 def _expand(p: Path, given: str) -> list[Path]:
     if p.is_file():
-        if p.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {sorted(SUFFIXES)}")
+        if _kind(p) is None:
+            raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {sorted(SUFFIXES) + list(GZIPPED)}"
+                             + (" (decompress it first)" if p.suffix.lower() in (".gz", ".zst", ".bz2", ".xz", ".zip")
+                                else ""))
         return [p]
     if (p / "state.json").is_file():  # datasets.Dataset.save_to_disk: Arrow stream shards listed in state.json
         state = json.loads((p / "state.json").read_text())
@@ -94,16 +101,30 @@ def _expand(p: Path, given: str) -> list[Path]:
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
         raise ValueError(f"{given}: a DatasetDict folder with splits {splits}; point the path at one, "
                          f"e.g. {p / (splits[0] if splits else 'train')}")
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in SUFFIXES)
+    files = sorted(f for f in p.iterdir() if f.is_file() and _kind(f) is not None)
     if not files:
         raise ValueError(f"{given}: folder has no {'/'.join(sorted(SUFFIXES))} files")
     return files
 
 
+def _kind(file: Path) -> str | None:
+    """jsonl, json, parquet, csv or arrow, from the file's name (gzip'ed JSON by its inner suffix); None: not data."""
+    name = file.name.lower()
+    if name.endswith(GZIPPED):
+        return SUFFIXES[Path(name[:-3]).suffix]
+    return SUFFIXES.get(file.suffix.lower())
+
+
 def read_rows(file: Path) -> Iterator[tuple[str, dict | RecordError]]:
     """(where, row) for each record of a file; a row that is not a JSON object comes as a RecordError."""
-    kind = SUFFIXES[file.suffix.lower()]
-    if kind == "jsonl":
+    kind = _kind(file)
+    if file.name.lower().endswith(".gz"):
+        try:
+            with gzip.open(file, "rb") as f:
+                yield from (_jsonl_rows(file, _bounded_lines(file, f)) if kind == "jsonl" else _json_rows(file))
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # the rows after the damage are lost
+            raise ValueError(f"{file}: not a readable gzip file ({e}); re-download or re-compress it") from None
+    elif kind == "jsonl":
         with open(file, "rb") as f:  # lines end at \n only: str.splitlines would also split
             _refuse_binary(file, f.read(8192))  # at U+2028 and friends, which JSON strings may hold raw
             f.seek(0)
@@ -121,7 +142,7 @@ def _refuse_binary(file: Path, head: bytes) -> None:
     at = head.find(b"\0")
     if at >= 0:
         raise ValueError(f"{file}: a binary file (a NUL byte at byte {at}), not "
-                         f"{SUFFIXES[file.suffix.lower()]} text; point the source at the data files")
+                         f"{_kind(file)} text; point the source at the data files")
 
 
 def _bounded_lines(file: Path, f) -> Iterator[str | RecordError]:
@@ -172,7 +193,7 @@ _WS = re.compile(r"\s*")
 
 def _json_rows(file: Path):
     """A JSON array of objects (each located by the line it starts on), else one object per line."""
-    data = file.read_bytes()
+    data = gzip.decompress(file.read_bytes()) if file.name.lower().endswith(".gz") else file.read_bytes()
     _refuse_binary(file, data[:8192])
     try:
         text = data.decode("utf-8")
