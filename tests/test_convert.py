@@ -254,3 +254,68 @@ def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
     assert detect(written) == "gapless"
     cfg = from_dict(RunConfig, written)
     assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4
+
+
+def test_step_ratios_are_refused_or_mapped(files):
+    """TrainingArguments reads save/eval/logging_steps below 1 as a ratio of the run: int() made save_steps 0.25
+    checkpoint.every 0 (no checkpoints); transformers 5's warmup_steps below 1 is the warmup ratio."""
+    raw = yaml.safe_load(TRL.format(**files, out="x"))
+    for key in ("save_steps", "logging_steps"):
+        with pytest.raises(ValueError, match=f"{key}: 0.25: a ratio of the run's steps"):
+            convert({**raw, key: 0.25})
+    with pytest.raises(ValueError, match="eval_steps: 0.1: a ratio"):
+        convert({**raw, "eval_strategy": "steps", "eval_steps": 0.1})
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    with pytest.raises(ValueError, match="save_steps: 0.5: a ratio"):
+        convert({**ax, "save_steps": 0.5})
+    trl = {k: v for k, v in raw.items() if k != "warmup_ratio"}
+    cfg = from_dict(RunConfig, convert({**trl, "warmup_steps": 0.05}).config)
+    assert (cfg.schedule.warmup_ratio, cfg.schedule.warmup_steps) == (0.05, 0)
+    assert from_dict(RunConfig, convert({**trl, "warmup_steps": 7}).config).schedule.warmup_steps == 7
+
+
+def test_unset_keys_take_the_peers_defaults(files):
+    """An unset key means the peer's default, not gapless's: TRL trains 3 epochs at 2e-5 with a linear schedule
+    and 8 rows per device; Axolotl one row (micro_batch_size 1) and requires learning_rate."""
+    raw = {"model_name_or_path": str(files["model"]), "dataset_name": str(files["trl_chat"]), "max_length": 64}
+    conv = convert(raw)
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.optim.lr, cfg.train.epochs, cfg.schedule.kind) == (2e-5, 3.0, "linear")
+    assert (cfg.data.tokens_per_batch, cfg.data.batching) == (8 * 64, "padded")
+    for key in ("learning_rate", "num_train_epochs", "lr_scheduler_type", "per_device_train_batch_size"):
+        assert f"{key}: (unset)" in conv.format(), key
+    ax = {k: v for k, v in yaml.safe_load(AXOLOTL.format(**files, out="x")).items() if k != "micro_batch_size"}
+    cfg = from_dict(RunConfig, convert(ax).config)
+    assert cfg.data.tokens_per_batch == 64  # one row of sequence_len
+    del ax["learning_rate"]
+    with pytest.raises(ValueError, match="learning_rate: missing"):
+        convert(ax)
+
+
+def test_harmless_keys_are_listed_and_their_harmful_values_refused(files):
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    text = convert({**ax, "adapter": "qlora", "load_in_4bit": True, "special_tokens": {"pad_token": "<pad>"},
+                    "gradient_checkpointing_kwargs": {"use_reentrant": False}}).format()
+    for line in ("load_in_4bit: true", "special_tokens: {'pad_token': '<pad>'}",
+                 "gradient_checkpointing_kwargs: {'use_reentrant': False}"):
+        assert f"\n  {line}" in text, line
+    with pytest.raises(ValueError, match=r"special_tokens: .*only pad_token may be set"):
+        convert({**ax, "special_tokens": {"pad_token": "<pad>", "eos_token": "<|im_end|>"}})
+    with pytest.raises(ValueError, match="saves_per_epoch: 1: gapless saves every N optimizer steps: save_steps"):
+        convert({**ax, "saves_per_epoch": 1})
+
+
+def test_trl_prompt_completion_trains_the_completion(files, tmp_path):
+    """TRL's completion_only_loss (None) trains only the completion of prompt-completion data, whatever
+    assistant_only_loss says: train_on all trained the prompts too."""
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text(json.dumps({"prompt": "shift: ab", "completion": "bc"}) + "\n")
+    raw = {"model_name_or_path": str(files["model"]), "dataset_name": str(pc), "max_length": 64,
+           "learning_rate": 1e-4}
+    conv = convert(raw)
+    assert conv.config["data"]["train_on"] == "assistant"
+    assert "completion_only_loss: null" in conv.format()
+    assert convert({**raw, "completion_only_loss": False}).config["data"]["train_on"] == "all"
+    chat = convert({**raw, "dataset_name": str(files["trl_chat"]), "completion_only_loss": True})
+    assert chat.config["data"]["train_on"] == "all"  # conversational data: everything, as TRL
+    assert "completion_only_loss: true" in chat.format()

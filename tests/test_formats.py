@@ -190,3 +190,53 @@ def test_config_errors_name_the_field():
     assert error({"sources": [src], "eval_fraction": 1.0}).startswith("data.eval_fraction:")
     assert error({"sources": [src], "chat_template": "nope.jinja"}).startswith("data.chat_template: file")
     assert error({"sources": [src], "train_on": "assistants"}).startswith("data.train_on:")
+
+
+def test_common_hub_shapes_read(tmp_path):
+    """A folder of files of different formats (auto is per file, as documented: it was decided once per source, so
+    the second format's records failed), OpenAI's content parts, TRL's conversational prompt-completion."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    (folder / "b.jsonl").write_text(json.dumps({"instruction": "hi", "input": "", "output": "yo"}) + "\n")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert [e.messages for e in examples(SourceConfig(path=str(folder)))] == [chat, chat]
+
+    parts = tmp_path / "parts.jsonl"
+    parts.write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                                   {"role": "assistant", "content": "yo"}]}) + "\n")
+    got = examples(SourceConfig(path=str(parts)))
+    assert got[0].messages == chat
+    assert isinstance(got[1], RecordError) and got[1].where.endswith("parts.jsonl:2")
+    assert "messages[0].content[0]: a 'image_url' content part" in str(got[1])
+
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text(json.dumps({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+                              "completion": [{"role": "assistant", "content": "yo"}]}) + "\n")
+    assert examples(SourceConfig(path=str(pc)))[0].messages == [{"role": "system", "content": "s"}, *chat]
+
+
+def test_gzipped_json_reads_as_its_text(tmp_path):
+    import gzip
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(3)]
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "arr.json.gz", "wt") as f:
+        f.write(json.dumps(rows, indent=1))
+    for name in ("train.jsonl.gz", "arr.json.gz"):
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert [e.messages for e in got] == [r["messages"] for r in rows], name
+    assert examples(SourceConfig(path=str(tmp_path / "train.jsonl.gz")))[2].where.endswith("train.jsonl.gz:3")
+    assert [f.name for f in resolve_files(str(tmp_path))] == ["arr.json.gz", "train.jsonl.gz"]
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00broken")
+    with pytest.raises(ValueError, match="bad.jsonl.gz: not a readable gzip file"):
+        examples(SourceConfig(path=str(tmp_path / "bad.jsonl.gz")))
+    (tmp_path / "x.jsonl.zst").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"x.jsonl.zst: unsupported file type '.zst'.*decompress it first"):
+        resolve_files(str(tmp_path / "x.jsonl.zst"))

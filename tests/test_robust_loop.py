@@ -212,6 +212,23 @@ def test_resume_with_a_changed_rank_is_refused_before_anything_is_written(base, 
     assert result.final_dir is not None
 
 
+def test_resume_on_edited_data_is_refused(base, tmp_path):
+    """The same number of documents from edited files passed the sampler's checks and continued the batch order
+    over other data; the mix's fingerprint (each source's cache key) now refuses it, and the original data resumes."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(Path(base["data"]).read_text())
+    args = ("train.steps=4", f"data.sources.0.path={data}")
+    train(config(base, tmp_path / "run", *args), stop_after=2)
+    original = data.read_text()
+    first = json.loads(original.splitlines()[0])
+    first["messages"][-1]["content"] += " edited"
+    data.write_text(json.dumps(first) + "\n" + "".join(line + "\n" for line in original.splitlines()[1:]))
+    with pytest.raises(ValueError, match="cannot resume: the training data differ from the checkpoint's"):
+        train(config(base, tmp_path / "run", *args, "resume=true"))
+    data.write_text(original)
+    assert train(config(base, tmp_path / "run", *args, "resume=true")).final_dir is not None
+
+
 def test_every_checkpoint_corrupt_stops_the_resume_and_keeps_the_history(base, tmp_path):
     train(config(base, tmp_path / "run", "train.steps=6"), stop_after=4)
     for ck in (tmp_path / "run" / "checkpoints").glob("step-*"):

@@ -385,7 +385,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
 @dataclass
 class SourceConfig:
     # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
-    # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow; relative paths are from the cwd
+    # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow (.jsonl.gz, .json.gz); relative paths are from the cwd
     path: str
     # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"

@@ -141,12 +141,24 @@ class _Converter:
             elif self.raw[key] in (None, "", [], {}):
                 self.note(key, "empty: nothing to apply")
             else:
-                self.refuse(key, "no gapless equivalent; remove it to train without it")
+                self.refuse(key, REFUSED_HINTS.get(key, "no gapless equivalent; remove it to train without it"))
         if self.refused:
             raise ValueError(f"{self.conv.fmt} config: {len(self.refused)} setting(s) gapless cannot honour "
                              "(remove or change them; nothing is ignored silently):\n  "
                              + "\n  ".join(self.refused))
         return self.conv
+
+
+# what to write instead of a key gapless cannot honour, where there is something
+REFUSED_HINTS = {
+    "evals_per_epoch": "gapless evaluates every N optimizer steps: eval_steps: N (train.eval_every)",
+    "saves_per_epoch": "gapless saves every N optimizer steps: save_steps: N (checkpoint.every; unset: auto, "
+                       "at most 1% of the training time)",
+    "fsdp": "gapless shards with FSDP2 under torchrun (gapless train --nproc N; parallel.strategy), not from this "
+            "key: remove it",
+    "fsdp_config": "gapless shards with FSDP2 under torchrun (parallel.strategy, parallel.reshard_after_forward): "
+                   "remove it",
+}
 
 
 def _methods() -> tuple[str, ...]:
@@ -211,10 +223,34 @@ def _optimizer(c: _Converter, key: str) -> None:
         c.refuse(key, "gapless trains with torch's AdamW only (adamw_torch, adamw_torch_fused)")
 
 
+def _steps(c: _Converter, key: str, dotted: str) -> None:
+    """A step interval (save_steps, eval_steps, logging_steps). TrainingArguments, which Axolotl and TRL pass
+    these to, reads a value in (0, 1) as a ratio of the run's total steps: int() would make it 0 (for save_steps,
+    no checkpoints at all)."""
+    value = float(c.get(key))
+    if 0 < value < 1:
+        c.refuse(key, f"a ratio of the run's steps (values below 1 are one in TrainingArguments); gapless takes "
+                      f"a number of optimizer steps: set {key} to an integer (or {dotted} in a gapless config)")
+    elif value != int(value):
+        c.refuse(key, "expected a whole number of steps")
+    else:
+        c.put(key, dotted, int(value))
+
+
 def _warmup(c: _Converter) -> None:
     steps, ratio = c.get("warmup_steps"), c.get("warmup_ratio")
-    if steps:
-        c.put("warmup_steps", "schedule.warmup_steps", int(steps))
+    if steps and 0 < float(steps) < 1:
+        # transformers 5 dropped warmup_ratio: warmup_steps in (0, 1) is the ratio of the run's steps
+        if ratio:
+            c.refuse("warmup_steps", "a ratio (below 1) and warmup_ratio are both set; keep one")
+        else:
+            c.put("warmup_steps", "schedule.warmup_ratio", float(steps),
+                  "below 1: a ratio of the run's steps, as TrainingArguments reads it")
+    elif steps:
+        if float(steps) != int(float(steps)):
+            c.refuse("warmup_steps", "expected a whole number of steps, or a ratio below 1")
+        else:
+            c.put("warmup_steps", "schedule.warmup_steps", int(float(steps)))
     elif "warmup_steps" in c.raw:
         c.note("warmup_steps", "0: no warmup")
     if ratio:
@@ -227,15 +263,33 @@ def _warmup(c: _Converter) -> None:
 SHARED_KEYS = [("gradient_accumulation_steps", "train.grad_accum", int), ("learning_rate", "optim.lr", float),
                ("weight_decay", "optim.weight_decay", float), ("max_grad_norm", "optim.grad_clip", float),
                ("adam_epsilon", "optim.eps", float), ("save_total_limit", "checkpoint.keep", int),
-               ("logging_steps", "train.log_every", int), ("seed", "train.seed", int),
+               ("seed", "train.seed", int),
                ("output_dir", "output_dir", str), ("lora_r", "lora.r", int), ("lora_alpha", "lora.alpha", float),
                ("lora_dropout", "lora.dropout", float)]
+
+
+def _harmless(c: _Converter) -> None:
+    """Keys that change nothing in gapless for some values (noted) and would for others (refused)."""
+    kwargs = c.get("gradient_checkpointing_kwargs")
+    if isinstance(kwargs, dict) and set(kwargs) <= {"use_reentrant"}:
+        c.note("gradient_checkpointing_kwargs", "gapless's activation checkpointing is torch's non-reentrant form")
+    elif kwargs:
+        c.refuse("gradient_checkpointing_kwargs", "gapless's activation checkpointing takes no arguments")
+    tokens = c.get("special_tokens")
+    if isinstance(tokens, dict) and set(tokens) == {"pad_token"}:
+        c.note("special_tokens", "pad_token: padding is masked out of the loss and attention, so its id does not "
+                                 "change training")
+    elif tokens:
+        c.refuse("special_tokens", "gapless trains with the tokenizer's own special tokens (new or changed tokens "
+                                   "need new embedding rows); only pad_token may be set")
 
 
 def _one_to_one(c: _Converter, table: list[tuple[str, str, type]]) -> None:
     for key, dotted, cast in table:
         if c.has(key):
             c.put(key, dotted, cast(c.get(key)))
+    if c.has("logging_steps"):
+        _steps(c, "logging_steps", "train.log_every")
     betas = [float(c.raw.get("adam_beta1", 0.9)), float(c.raw.get("adam_beta2", 0.999))]
     for key in ("adam_beta1", "adam_beta2"):
         if c.has(key):
@@ -269,14 +323,21 @@ def _lora_targets(c: _Converter, key: str) -> None:
         c.refuse(key, f"gapless adapts only the decoder's linear layers {list(ALL_LINEAR)}")
 
 
-def _batch(c: _Converter, batch_key: str, seq: int, packing: bool) -> None:
+def _default(c: _Converter, key: str, dotted: str, value: Any, who: str, note: str = "") -> None:
+    """`key` is unset in the source: the peer's own default for it, not gapless's, and the mapping says so."""
+    _set(c.out, dotted, value)
+    c.conv.applied.append((f"{key}: (unset)", f"{dotted}: {_show(value)}  ({who}'s default{note})"))
+
+
+def _batch(c: _Converter, batch_key: str, seq: int, packing: bool, default: int, who: str) -> None:
     micro = c.get(batch_key)
+    how = (f"{micro or default} rows of {seq} slots, packed" if packing else
+           f"{micro or default} x {seq} slots; padded batches hold as many documents as fit, each padded to the "
+           "longest")
     if micro is None:
-        return
-    tokens = int(micro) * seq
-    how = (f"{micro} rows of {seq} slots, packed" if packing else
-           f"{micro} x {seq} slots; padded batches hold as many documents as fit, each padded to the longest")
-    c.put(batch_key, "data.tokens_per_batch", tokens, how)
+        _default(c, batch_key, "data.tokens_per_batch", default * seq, who, f": {how}")
+    else:
+        c.put(batch_key, "data.tokens_per_batch", int(micro) * seq, how)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +362,9 @@ AXOLOTL_IGNORABLE = {
     "use_tensorboard": None,
     "wandb_mode": None, "wandb_project": None, "wandb_entity": None, "wandb_watch": None, "wandb_name": None,
     "wandb_log_model": None,
+    "attn_implementation": "model.attn_backend auto picks the fastest that runs",
+    "trust_remote_code": "gapless builds the model with its own decoder from config.json; no remote code runs",
+    "eval_max_new_tokens": "gapless's evaluation measures the loss; it generates no samples",
 }
 
 
@@ -315,8 +379,13 @@ def convert_axolotl(raw: dict) -> Conversion:
     else:
         _set(c.out, "data.batching", "padded")
         c.conv.applied.append(("sample_packing: (unset)", "data.batching: padded  (Axolotl's default: no packing)"))
-    _batch(c, "micro_batch_size", seq, packing)
+    _batch(c, "micro_batch_size", seq, packing, 1, "Axolotl")
     _one_to_one(c, SHARED_KEYS)
+    _harmless(c)
+    if c.has("dataset_processes"):
+        c.put("dataset_processes", "data.num_workers", int(c.get("dataset_processes")))
+    if not c.has("learning_rate"):
+        c.refused.append("learning_rate: missing; Axolotl requires it (gapless would train at its own 2e-4)")
     _schedule(c, "lr_scheduler")
     _warmup(c)
     if c.has("num_epochs"):
@@ -334,9 +403,9 @@ def convert_axolotl(raw: dict) -> Conversion:
         else:
             c.refuse("gradient_checkpointing", "expected true or false")
     if c.has("save_steps"):
-        c.put("save_steps", "checkpoint.every", int(c.get("save_steps")))
+        _steps(c, "save_steps", "checkpoint.every")
     if c.has("eval_steps"):
-        c.put("eval_steps", "train.eval_every", int(c.get("eval_steps")))
+        _steps(c, "eval_steps", "train.eval_every")
     val = c.get("val_set_size")
     if val:
         if 0 < float(val) < 1:
@@ -363,7 +432,8 @@ def convert_axolotl(raw: dict) -> Conversion:
         c.method("adapter", "qlora")
         if c.get("load_in_8bit"):
             c.refuse("load_in_8bit", "qlora quantizes the base to 4 bits (NF4), not 8")
-        c.get("load_in_4bit")
+        if c.get("load_in_4bit"):
+            c.note("load_in_4bit", "QLoRA: the base in 4 bits (NF4, double quantisation)")
     elif adapter in (None, ""):  # no adapter: Axolotl fine-tunes every weight
         c.method("adapter", "full")
         if c.get("load_in_8bit") or c.get("load_in_4bit"):
@@ -594,6 +664,10 @@ TRL_IGNORABLE = {
     "attn_implementation": "model.attn_backend auto picks the fastest that runs",
     "dataset_train_split": None,
     "model_init_kwargs": None,
+    "model_revision": "gapless reads the local model folder as it is",
+    "log_level": "no effect on what trains",
+    "do_eval": "eval_strategy decides when the Trainer evaluates (do_eval is not read by it)",
+    "per_device_eval_batch_size": "evaluation batches use the training batching (the loss per token is the same)",
 }
 
 
@@ -606,12 +680,21 @@ def convert_trl(raw: dict) -> Conversion:
     _set(c.out, "data.batching", "packed" if packing else "padded")
     if "packing" in raw:
         c.put("packing", "data.batching", "packed" if packing else "padded")
-    _batch(c, "per_device_train_batch_size", seq, packing)
+    _batch(c, "per_device_train_batch_size", seq, packing, 8, "TrainingArguments")
     _one_to_one(c, SHARED_KEYS)
+    _harmless(c)
+    if c.has("dataset_num_proc"):
+        c.put("dataset_num_proc", "data.num_workers", int(c.get("dataset_num_proc")))
+    if not c.has("learning_rate"):
+        _default(c, "learning_rate", "optim.lr", 2e-5, "SFTConfig")
     _schedule(c, "lr_scheduler_type")
+    if "lr_scheduler_type" not in raw:
+        _default(c, "lr_scheduler_type", "schedule.kind", "linear", "TrainingArguments")
     _warmup(c)
     if c.has("num_train_epochs"):
         c.put("num_train_epochs", "train.epochs", float(c.get("num_train_epochs")))
+    else:
+        _default(c, "num_train_epochs", "train.epochs", 3.0, "TrainingArguments")
     if c.has("max_steps"):
         if int(c.get("max_steps")) > 0:
             c.put("max_steps", "train.steps", int(c.get("max_steps")))
@@ -632,14 +715,14 @@ def convert_trl(raw: dict) -> Conversion:
             c.note("gradient_checkpointing", "off")
     strategy = c.get("save_strategy", "steps")
     if strategy == "steps" and c.has("save_steps"):
-        c.put("save_steps", "checkpoint.every", int(c.get("save_steps")))
+        _steps(c, "save_steps", "checkpoint.every")
     elif strategy == "no":
         c.put("save_strategy", "checkpoint.every", 0)
     elif strategy not in ("steps",):
         c.refuse("save_strategy", "gapless saves every N steps (save_strategy: steps, save_steps: N)")
     eval_strategy = c.get("eval_strategy", c.get("evaluation_strategy", "no"))
     if eval_strategy == "steps" and c.has("eval_steps"):
-        c.put("eval_steps", "train.eval_every", int(c.get("eval_steps")))
+        _steps(c, "eval_steps", "train.eval_every")
     elif eval_strategy not in ("no", "steps"):
         c.refuse("eval_strategy", "gapless evaluates every N steps (eval_strategy: steps, eval_steps: N)")
     elif c.has("eval_steps") and eval_strategy == "no":
@@ -661,18 +744,28 @@ def convert_trl(raw: dict) -> Conversion:
         c.conv.applied.append((f"dataset_name: {dataset}", f"data.sources[0]: {source}"))
     if c.get("dataset_train_split") not in (None, "train"):
         c.refuse("dataset_train_split", "gapless reads the whole file; split it into its own file")
-    # the loss mask: TRL trains everything of a conversation unless assistant_only_loss; completions only for
-    # prompt-completion data (completion_only_loss None = True there)
-    if c.get("assistant_only_loss"):
+    # the loss mask: TRL trains everything of a conversation unless assistant_only_loss, and only the completion of
+    # prompt-completion data unless completion_only_loss is false (None = True there). gapless's train_on is one
+    # setting for the run, so it follows the data's format, read from its first record.
+    prompt_completion = not c.has("dataset_text_field") and _first_format(source) == "prompt_completion"
+    completion_only = c.get("completion_only_loss")
+    if prompt_completion:
+        train_on = "all" if completion_only is False else "assistant"
+        how = ("completion_only_loss false: the prompt trains too" if completion_only is False else
+               "prompt-completion data: TRL trains the completion only (completion_only_loss unset or true)")
+        c.conv.applied.append((f"completion_only_loss: {_show(completion_only)}",
+                               f"data.train_on: {train_on}  ({how})"))
+        _set(c.out, "data.train_on", train_on)
+        if "assistant_only_loss" in raw:
+            c.note("assistant_only_loss", "for conversational data; this data is prompt-completion")
+    elif c.get("assistant_only_loss"):
         c.put("assistant_only_loss", "data.train_on", "assistant")
     else:
         c.conv.applied.append(("assistant_only_loss: " + _show(raw.get("assistant_only_loss", False)),
                                "data.train_on: all  (TRL trains every token of a conversation by default)"))
         _set(c.out, "data.train_on", "all")
-    if c.get("completion_only_loss") is False:
-        c.refuse("completion_only_loss", "gapless trains the completion of prompt-completion data only")
-    elif "completion_only_loss" in raw:
-        c.note("completion_only_loss", "prompt-completion data trains the completion")
+    if not prompt_completion and "completion_only_loss" in raw:
+        c.note("completion_only_loss", "for prompt-completion data; this data is not")
     # the method: use_peft (PEFT's LoRA), load_in_4bit (QLoRA), else full fine-tuning
     if c.get("use_peft"):
         c.method("use_peft", "qlora" if c.get("load_in_4bit") else "lora")
@@ -692,6 +785,22 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _first_format(source: dict) -> str | None:
+    """The format of the first record of a source's files (None when they cannot be read: the data pipeline says
+    why when the run starts)."""
+    from gapless.config import SourceConfig
+    from gapless.data.formats import detect_format, read_rows, resolve_files
+
+    if "path" not in source or source.get("format"):
+        return source.get("format")
+    try:
+        for where, row in read_rows(resolve_files(source["path"])[0]):
+            return None if isinstance(row, ValueError) else detect_format(row, SourceConfig(**source).columns, where)
+    except (ValueError, OSError):
+        return None
+    return None
 
 
 def _trl_report_to(c: _Converter) -> None:

@@ -18,6 +18,8 @@ The order of epoch e is a function of (seed, e) only, so the sampler's state is 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,6 +92,14 @@ class Mixture:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    @property
+    def fingerprint(self) -> str:
+        """What the mix holds: each source's cache key (its files' content and how they were tokenized), its
+        documents (an eval split takes some) and its share of an epoch. A resume compares it: the same number of
+        documents from edited files would otherwise continue the batch order over other data."""
+        parts = [[d.meta.get("key"), len(d), int(d.lengths.sum()), int(c)] for d, c in zip(self.datasets, self.counts)]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     @property
     def pad_id(self) -> int:
@@ -372,7 +382,8 @@ class BatchSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "strategy": self.strategy,
-                "num_docs": len(self.mix), "max_seq_len": self.max_seq_len, "tokens_per_batch": self.tokens_per_batch}
+                "num_docs": len(self.mix), "max_seq_len": self.max_seq_len, "tokens_per_batch": self.tokens_per_batch,
+                "data": self.mix.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
@@ -380,4 +391,8 @@ class BatchSampler:
             if state[key] != mine[key]:
                 raise ValueError(f"data: cannot resume: the saved sampler had {key}={state[key]!r}, this run has "
                                  f"{mine[key]!r}; the batch order would not continue where it stopped")
+        if state.get("data", mine["data"]) != mine["data"]:  # (checkpoints written before it was kept: unchecked)
+            raise ValueError("data: cannot resume: the training data differ from the checkpoint's (a source's files "
+                             "were edited or replaced, or tokenized otherwise); resume with the data the run was "
+                             "trained on, or start a new run")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

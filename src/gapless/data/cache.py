@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the meaning of the cached arrays changes (masking rules, layout): old folders stop matching.
-CACHE_VERSION = 2  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls
+CACHE_VERSION = 3  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
+# conversational prompt-completion and per-file format detection read records that were skipped as errors before
 
 
 class TokenizedDataset:
@@ -40,7 +41,8 @@ class TokenizedDataset:
 
     @classmethod
     def open(cls, folder: Path) -> TokenizedDataset:
-        meta = json.loads((folder / "meta.json").read_text())
+        # the folder's name is the cache key: the content of the files and the settings that tokenized them
+        meta = {**json.loads((folder / "meta.json").read_text()), "key": folder.name}
         offsets = np.load(folder / "offsets.npy")
         n = int(offsets[-1])
         # np.memmap refuses empty files; an all-dropped source has no tokens

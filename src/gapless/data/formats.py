@@ -6,7 +6,10 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   alpaca             {"instruction", "input"?, "output" (or "response"), "system"?}
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
-Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow; globs;
+A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
+lists of turns (TRL's conversational prompt-completion).
+Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
+(.jsonl.gz); globs;
 folders of such files; folders written by datasets' `save_to_disk`.
 
 A bad record is never dropped here: it comes out as a `RecordError` naming the file, the line
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import csv
 import glob
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,8 @@ DEFAULT_ROLES = {
 }
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
             ".csv": "csv", ".arrow": "arrow"}
+# gzip'ed JSON (`train.jsonl.gz`, as many hub datasets ship it) is read as it streams
+GZIPPED = (".jsonl.gz", ".ndjson.gz", ".json.gz")
 # The reasons a record is skipped under on_error: skip (the summary counts each).
 MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
@@ -82,8 +89,10 @@ def resolve_files(path: str) -> list[Path]:
 
 def _expand(p: Path, given: str) -> list[Path]:
     if p.is_file():
-        if p.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {sorted(SUFFIXES)}")
+        if _kind(p) is None:
+            raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {sorted(SUFFIXES) + list(GZIPPED)}"
+                             + (" (decompress it first)" if p.suffix.lower() in (".gz", ".zst", ".bz2", ".xz", ".zip")
+                                else ""))
         return [p]
     if (p / "state.json").is_file():  # datasets.Dataset.save_to_disk: Arrow stream shards listed in state.json
         state = json.loads((p / "state.json").read_text())
@@ -92,16 +101,30 @@ def _expand(p: Path, given: str) -> list[Path]:
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
         raise ValueError(f"{given}: a DatasetDict folder with splits {splits}; point the path at one, "
                          f"e.g. {p / (splits[0] if splits else 'train')}")
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in SUFFIXES)
+    files = sorted(f for f in p.iterdir() if f.is_file() and _kind(f) is not None)
     if not files:
         raise ValueError(f"{given}: folder has no {'/'.join(sorted(SUFFIXES))} files")
     return files
 
 
+def _kind(file: Path) -> str | None:
+    """jsonl, json, parquet, csv or arrow, from the file's name (gzip'ed JSON by its inner suffix); None: not data."""
+    name = file.name.lower()
+    if name.endswith(GZIPPED):
+        return SUFFIXES[Path(name[:-3]).suffix]
+    return SUFFIXES.get(file.suffix.lower())
+
+
 def read_rows(file: Path) -> Iterator[tuple[str, dict | RecordError]]:
     """(where, row) for each record of a file; a row that is not a JSON object comes as a RecordError."""
-    kind = SUFFIXES[file.suffix.lower()]
-    if kind == "jsonl":
+    kind = _kind(file)
+    if file.name.lower().endswith(".gz"):
+        try:
+            with gzip.open(file, "rb") as f:
+                yield from (_jsonl_rows(file, _bounded_lines(file, f)) if kind == "jsonl" else _json_rows(file))
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # the rows after the damage are lost
+            raise ValueError(f"{file}: not a readable gzip file ({e}); re-download or re-compress it") from None
+    elif kind == "jsonl":
         with open(file, "rb") as f:  # lines end at \n only: str.splitlines would also split
             _refuse_binary(file, f.read(8192))  # at U+2028 and friends, which JSON strings may hold raw
             f.seek(0)
@@ -119,7 +142,7 @@ def _refuse_binary(file: Path, head: bytes) -> None:
     at = head.find(b"\0")
     if at >= 0:
         raise ValueError(f"{file}: a binary file (a NUL byte at byte {at}), not "
-                         f"{SUFFIXES[file.suffix.lower()]} text; point the source at the data files")
+                         f"{_kind(file)} text; point the source at the data files")
 
 
 def _bounded_lines(file: Path, f) -> Iterator[str | RecordError]:
@@ -170,7 +193,7 @@ _WS = re.compile(r"\s*")
 
 def _json_rows(file: Path):
     """A JSON array of objects (each located by the line it starts on), else one object per line."""
-    data = file.read_bytes()
+    data = gzip.decompress(file.read_bytes()) if file.name.lower().endswith(".gz") else file.read_bytes()
     _refuse_binary(file, data[:8192])
     try:
         text = data.decode("utf-8")
@@ -262,8 +285,8 @@ def _arrow_rows(file: Path, kind: str):
 def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[Example | RecordError]:
     """Every record of a source, in file order, as an Example or the RecordError that rejects it."""
     roles = {**DEFAULT_ROLES, **src.roles}
-    fmt = src.format
     for file in files if files is not None else resolve_files(src.path):
+        fmt = src.format  # auto: detected per file (a folder may hold files of several formats)
         for where, row in read_rows(file):
             if isinstance(row, RecordError):
                 yield row
@@ -337,6 +360,18 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         user = instruction + (f"\n\n{extra}" if extra else "")
         return Example(where, messages=_chat(system, user, text(response)))
     if fmt == "prompt_completion":
+        prompt, completion = field("prompt"), field("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
+            turns = {}
+            for name, value in (("prompt", prompt), ("completion", completion)):
+                if not isinstance(value, list):
+                    raise RecordError(where, name, BAD_VALUE, f"expected a list of turns like the other field, got "
+                                      f"{type(value).__name__}")
+                turns[name] = [_message(t, i, name, columns.get("role", "role"), columns.get("content", "content"),
+                                        roles, where) for i, t in enumerate(_json_list(value, name, where))]
+            system = text("system", False)
+            return Example(where, messages=([{"role": "system", "content": system}] if system else [])
+                           + turns["prompt"] + turns["completion"])
         return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")))
     raise AssertionError(fmt)
 
@@ -375,6 +410,8 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
                           f"unknown role {turn[role_key]!r}; known: {sorted(roles)}; map it with the "
                           f"source's roles: {{{turn[role_key]}: user|assistant|system|tool|tool_call}}")
     content = turn.get(content_key)
+    if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+        content = _text_parts(content, where, f"{field}.{content_key}")
     if content is None and not turn.get("tool_calls"):
         raise RecordError(where, f"{field}.{content_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
     if content is not None and not isinstance(content, str):
@@ -385,6 +422,21 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
     if role == "tool_call":
         message.update(role="assistant", is_tool_call=True)
     return message
+
+
+def _text_parts(parts: list, where: str, field: str) -> str:
+    """The text of a turn given as content parts, concatenated; a part of another type (an image, audio) refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RecordError(where, f"{field}[{j}]", BAD_VALUE, f"a {kind!r} content part; gapless trains on text: "
+                              "keep the text parts ({type: text, text: ...}) or remove the record")
+    return "".join(texts)
 
 
 def _tools(value: Any, where: str) -> list | None:
