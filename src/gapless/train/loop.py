@@ -635,7 +635,8 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     # every second from `started` on goes to one category (gapless.meter.timeline)
     timeline = Timeline(device, t0=started)
     timeline.begin("startup")
-    progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main)  # rank 0 alone speaks
+    progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main,  # rank 0 alone speaks
+                        t0=timeline.t0)  # "elapsed" on the run's clock, imports included
     with progress.route_warnings():  # one formatted line per distinct warning, above the live status line
         try:
             if auto_note:
