@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from gapless.config import LoraConfig
 from gapless.meter.memory import (GIB, auto_tokens, dropout_mask_bytes, estimate_memory, format_table, max_tokens,
@@ -205,3 +206,24 @@ def test_dry_run_prints_memory_steps_and_time(shared, tmp_path, capsys):
                      "model.activation_checkpointing=0", "--dry-run", "--gpu-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "data.tokens_per_batch auto: ~" in out and "on a 80 GiB GPU" in out and "stated: 780 TFLOP/s" in out
+
+
+def test_dry_run_of_a_cpu_run_says_the_stated_rate_does_not_apply(tmp_path, capsys):
+    """The demo's config (model.device cpu) without --tokens-per-s: the H200's stated rate (~2e8 tokens/s for this
+    model) gave 0.00 h as if it applied; the demo trains ~6,500 tokens/s on the CPU box."""
+    from gapless import cli, demo_task
+    from gapless.demo import write_base_model
+
+    base = write_base_model(tmp_path / "base", seed=0)
+    data = demo_task.write_jsonl(demo_task.make_examples(50, seed=1), tmp_path / "train.jsonl")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(base), "dtype": "float32", "device": "cpu"},
+        "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64, "tokens_per_batch": 1024,
+                 "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+        "train": {"steps": 10}, "output_dir": str(tmp_path / "run")}))
+    assert cli.main(["train", str(config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "stated: 780 TFLOP/s" in out and "this run trains on the CPU (model.device cpu)" in out
+    assert cli.main(["train", str(config), "--dry-run", "--tokens-per-s", "6500"]) == 0
+    assert "trains on the CPU" not in capsys.readouterr().out  # a measured rate: nothing to warn of

@@ -7,6 +7,7 @@ import pytest
 
 from gapless.train import progress as progress_mod
 from gapless.train.progress import Progress
+from test_loop import base  # noqa: F401  (the demo's tiny Llama and data: test_loop's fixture)
 
 
 class Clock:
@@ -100,3 +101,29 @@ def test_disabled_prints_nothing(clock):
     p.warn("w")
     p.close()
     assert out.getvalue() == ""
+
+
+def test_elapsed_counts_from_the_runs_clock_start(clock):
+    """`gapless train` starts the run's clock at the process start (the imports are start-up): the line's elapsed
+    agrees with it, not with the moment the display was made (3 s less on the 2-core CPU box)."""
+    out = io.StringIO()
+    p = Progress(2, stream=out, t0=clock.t - 3.0)
+    p.phase("startup: first step")
+    clock.t += 1.0
+    p.advance(1, 100)
+    p.update(1, loss=1.0, tokens_per_s=100.0, lr=1e-3)
+    assert out.getvalue().splitlines() == ["[00:03] startup: first step",
+                                           "step 1/2  100 tok  00:04 elapsed  ETA after step 2  loss 1.0000  lr "
+                                           "1.00e-03  100 tok/s"]
+
+
+def test_train_passes_its_clock_start_to_the_line(base, tmp_path):
+    import time
+
+    from gapless.train.loop import train
+    from test_loop import run_config
+
+    out = io.StringIO()
+    train(run_config(base, str(tmp_path / "run"), **{"train.steps": 2, "progress": "true"}), out=out,
+          started=time.perf_counter() - 125.0)  # a process that started 2 min 5 s ago
+    assert "[02:05] startup: building and loading the model" in out.getvalue().splitlines()

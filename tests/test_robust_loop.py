@@ -169,6 +169,30 @@ def test_sigterm_checkpoints_exits_0_and_resume_finishes(base, tmp_path):
     assert any(r.get("kind") == "resume" and "train.steps" in r["changed"] for r in records(run))
 
 
+def test_a_stop_between_log_points_logs_the_last_steps(base, tmp_path, monkeypatch):
+    """Ctrl-C after step 6 of a run logging every 4: the training records reach step 6, their real tokens add up to
+    the last record's, and the report prints the last record's tokens/s (steps 5-6 were missing from both)."""
+    from gapless.meter.report import read_run, throughput
+
+    real = step_module.loss_sum
+    calls = []
+
+    def sigint_in_step_6(model, batch):  # grad_accum 2: the 12th micro-batch is step 6's last
+        calls.append(1)
+        if len(calls) == 12:
+            signal.raise_signal(signal.SIGINT)  # StopSignals' handler: stop after this step
+        return real(model, batch)
+
+    monkeypatch.setattr(step_module, "loss_sum", sigint_in_step_6)
+    result = train(config(base, tmp_path / "run", "train.steps=20", "train.log_every=4"))
+    rec = records(tmp_path / "run")
+    logged = [r for r in rec if "loss" in r]
+    last = rec[-1]
+    assert result.stopped == "SIGINT" and [r["step"] for r in logged] == [4, 6]
+    assert sum(r["real_tokens"] for r in logged) == last["real_tokens"] == result.real_tokens
+    assert throughput(read_run(tmp_path / "run"))["end_to_end"] == pytest.approx(last["tokens_per_s"])
+
+
 def test_a_second_sigint_exits_at_once(tmp_path):
     code = ("import time; from gapless.train.guard import StopSignals\n"
             "with StopSignals() as stop:\n    print('ready', flush=True)\n"

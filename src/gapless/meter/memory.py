@@ -260,6 +260,8 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
     import math
     from dataclasses import replace
 
+    import torch
+
     from gapless.data.pipeline import build_data
     from gapless.meter.flops import step_flops
     from gapless.model.loading import read_model_args
@@ -298,4 +300,9 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
                  + (f"(stated: {STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s x MFU {STATED_MFU} / "
                     f"{flops_per_token / 1e9:.1f} GFLOP per token; pass --tokens-per-s for a measured rate)"
                     if stated else "(given)"))
+    where = ("model.device cpu" if cfg.model.device == "cpu" else
+             "model.device auto, no GPU here" if cfg.model.device == "auto" and not torch.cuda.is_available() else None)
+    if stated and where:  # the stated rate is an H200's: the demo's model trains ~6,500 tokens/s on a CPU, not 2e8
+        lines.append(f"  that rate is an H200's; this run trains on the CPU ({where}), orders of magnitude slower: "
+                     "pass --tokens-per-s with a measured rate (`gapless doctor RUN` prints a run's)")
     return "\n".join(lines)

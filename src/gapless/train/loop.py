@@ -473,7 +473,10 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             else:
                 result.steady_tokens += real
 
-            if step % cfg.train.log_every == 0 or step == run.steps_total:
+            # a stop signal is read once per step, here: the steps since the last log are logged before the run ends
+            # (else metrics.jsonl, and the report, would miss them while the last record counts their tokens)
+            stopping = stop is not None and stop.requested
+            if step % cfg.train.log_every == 0 or step == run.steps_total or stopping:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
                 # SYNC: once per log_every steps (these reads and NonFinite's)
@@ -531,7 +534,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 metrics.write({"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
                 run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
-            if stop is not None and stop.requested:
+            if stopping:
                 # preemption or Ctrl-C: this step's checkpoint, on disk before the run ends (bounded: one step and
                 # one checkpoint write)
                 if not saved:
@@ -632,7 +635,8 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     # every second from `started` on goes to one category (gapless.meter.timeline)
     timeline = Timeline(device, t0=started)
     timeline.begin("startup")
-    progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main)  # rank 0 alone speaks
+    progress = Progress(0, stream=out, enabled=cfg.progress and parallel.is_main,  # rank 0 alone speaks
+                        t0=timeline.t0)  # "elapsed" on the run's clock, imports included
     with progress.route_warnings():  # one formatted line per distinct warning, above the live status line
         try:
             if auto_note:

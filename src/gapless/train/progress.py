@@ -48,13 +48,16 @@ def format_tokens(n: int) -> str:
 
 
 class Progress:
-    def __init__(self, total_steps: int, stream: TextIO | None = None, enabled: bool = True):
+    def __init__(self, total_steps: int, stream: TextIO | None = None, enabled: bool = True, t0: float | None = None):
+        """`t0`: the time.perf_counter reading "elapsed" counts from, the run's clock start (the timeline's t0: for
+        `gapless train` the process start, so the line agrees with "step 1 done N s after the start" and the last
+        record's wall_s); default now."""
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.console = Console(file=self.stream, highlight=False, markup=False, emoji=False)
         self.tty = enabled and self.console.is_terminal
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.phase_text: str | None = "starting"
         self.step = 0
         self.tokens = 0
