@@ -260,6 +260,47 @@ def test_an_error_on_one_rank_ends_all_ranks(base, tmp_path):
     assert "rank 1 fails at its second step" in proc.stderr + proc.stdout, proc.stderr[-3000:]
 
 
+SIGNAL_SCRIPT = """
+import sys, os, signal
+from gapless.config import load_config
+import gapless.train.loop as loop
+spec = __import__("json").loads(open(sys.argv[1]).read())
+if os.environ["RANK"] == "1":  # a SIGTERM reaches rank 1 alone, during its third step
+    real = loop.train_step
+    calls = []
+    def signalled(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*a, **k)
+    loop.train_step = signalled
+result = loop.train(load_config(data=spec["raw"], overrides=spec["overrides"]))
+print(f"rank {os.environ['RANK']} stopped: {result.stopped}", flush=True)
+"""
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(base, tmp_path):
+    """Rank 1 alone gets SIGTERM during step 3 (log_every 2): both ranks stop after step 4, the next log point, whose
+    gather carries the flag, with one checkpoint; neither waits for the other in a collective (the process group's
+    timeout would end the test)."""
+    spec = raw_config(base, "signal", **{"parallel.timeout_s": 60, "train.steps": 6, "train.log_every": 2,
+                                         "checkpoint.every": 0})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "one_rank_stops.py").write_text(SIGNAL_SCRIPT)  # not signal.py: it would shadow the module
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(tmp_path / "one_rank_stops.py"),
+                           str(tmp_path / "spec.json")],
+                          capture_output=True, text=True, timeout=150, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "rank 0 stopped: a signal to another rank" in out and "rank 1 stopped: SIGTERM" in out, out[-3000:]
+    records = [json.loads(line) for line in Path(spec["raw"]["output_dir"], "metrics.jsonl").read_text().splitlines()]
+    (stopped,) = [r for r in records if r.get("kind") == "stopped"]
+    assert stopped["step"] == 4 and stopped["checkpoint"]
+    assert [r["ranks_stopping"] for r in records if "loss" in r and "step" in r and "ranks_stopping" in r] == [0, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -473,9 +473,12 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             else:
                 result.steady_tokens += real
 
-            # a stop signal is read once per step, here: the steps since the last log are logged before the run ends
-            # (else metrics.jsonl, and the report, would miss them while the last record counts their tokens)
-            stopping = stop is not None and stop.requested
+            # a stop signal: the steps since the last log are logged before the run ends (else metrics.jsonl, and the
+            # report, would miss them while the last record counts their tokens). One process stops after this step.
+            # Several see a signal up to a step apart, and a rank stopping alone would leave the others waiting in a
+            # collective: they stop together at the next log point, whose gather carries each rank's flag (aggregate)
+            signalled = stop is not None and stop.requested is not None
+            stopping = signalled and not run.parallel.active
             if step % cfg.train.log_every == 0 or step == run.steps_total or stopping:
                 timeline.settle()  # SYNC: waits for the queued steps (compute), so the .item() below is logging
                 timeline.begin("logging")
@@ -494,7 +497,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 # and the communication: exposed, overlapped, waiting for ranks (moved to the timeline's category)
                 record.update(aggregate(run.parallel, device, window_loss, window.trained, window.real,
                                         timeline.summary()["compute"] - window.compute_mark, window.t_window,
-                                        window.steps, timeline))
+                                        window.steps, timeline, signalled))
+                if run.parallel.active:
+                    stopping = record["ranks_stopping"] > 0
                 metrics.write(record)
                 result.losses[step] = loss_mean = record["loss"]
                 run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
@@ -534,7 +539,8 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 metrics.write({"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
                 run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
-            if stopping:
+            # one process: also a signal that came during this step's logging, evaluation or checkpoint
+            if stopping or (not run.parallel.active and stop is not None and stop.requested):
                 # preemption or Ctrl-C: this step's checkpoint, on disk before the run ends (bounded: one step and
                 # one checkpoint write)
                 if not saved:
@@ -542,10 +548,10 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 with timeline.phase("checkpoint"):
                     run.checkpoints.wait()
                 where = f"checkpoint step {step} written" if saved else "no checkpoint written"
-                run.progress.message(f"{stop.requested}: stopped after step {step}, {where}; continue with --resume")
-                metrics.write({"kind": "stopped", "step": step, "reason": stop.requested,
-                               "checkpoint": saved})
-                result.stopped = stop.requested
+                reason = stop.requested or "a signal to another rank"
+                run.progress.message(f"{reason}: stopped after step {step}, {where}; continue with --resume")
+                metrics.write({"kind": "stopped", "step": step, "reason": reason, "checkpoint": saved})
+                result.stopped = reason
                 break
 
             if stop_after is not None and steps_this_run >= stop_after:

@@ -347,13 +347,14 @@ class CommClock:
 
 
 def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: int, real: int, compute_s: float,
-              t_window: float, steps: int, timeline) -> dict:
+              t_window: float, steps: int, timeline, stop_signalled: bool = False) -> dict:
     """At a log point (not per step): every rank's window numbers gathered, as fields of the metrics record (the
     module docstring defines them). `compute_s`: this rank's compute seconds in the window; `t_window`: the
     perf_counter reading at its start; `steps`: its optimizer steps. `timeline`: this rank's; the barrier is
     charged to "communication", and so are this rank's per-step tails, out of the phase each step ran in
     (compute; the warm-up step's stay startup). Returns the global loss (the sum over ranks over the global
-    trained tokens) and the spread per rank."""
+    trained tokens) and the spread per rank, and how many ranks got a stop signal (`stop_signalled`; the training
+    loop stops every rank after this step when any did)."""
     if not run.active:
         return {}
     start = time.perf_counter()
@@ -364,8 +365,8 @@ def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: 
     comm = probe_allreduce(run, device)
     tails = run.comm_clock.take() if run.comm_clock is not None else None
     mine = torch.tensor([float(loss_sum), trained, real, compute_s, step_s, wait, comm,
-                         -1 if tails is None else len(tails)], dtype=torch.float64, device=device)
-    ranks = _gather(run, mine)  # [world, 8]
+                         -1 if tails is None else len(tails), float(stop_signalled)], dtype=torch.float64, device=device)
+    ranks = _gather(run, mine)  # [world, 9]
     loss, trained_all, real_all = ranks[:, 0].sum().item(), ranks[:, 1].sum().item(), ranks[:, 2]
     compute, windows, waits = ranks[:, 3], ranks[:, 4], ranks[:, 5].clone()
     comm_total = ranks[:, 6].max().item() * steps
@@ -412,6 +413,7 @@ def aggregate(run: Dist, device: torch.device, loss_sum: torch.Tensor, trained: 
         # to Dist.comm_bytes)
         "comm_bytes_per_step": run.comm_bytes,
         "comm_serial_s_per_step": ranks[:, 6].max().item(),
+        "ranks_stopping": int(ranks[:, 8].sum().item()),  # ranks a stop signal (SIGTERM, Ctrl-C) reached
     }
 
 
