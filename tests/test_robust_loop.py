@@ -193,6 +193,29 @@ def test_a_stop_between_log_points_logs_the_last_steps(base, tmp_path, monkeypat
     assert throughput(read_run(tmp_path / "run"))["end_to_end"] == pytest.approx(last["tokens_per_s"])
 
 
+def test_a_stop_during_the_last_step_finishes_the_run(base, tmp_path, monkeypatch):
+    """Ctrl-C during the last step: every step ran, so the run finishes as complete (its adapter written), not as a
+    stopped run without one."""
+    real = step_module.loss_sum
+    calls = []
+
+    def sigint_in_the_last_step(model, batch):  # grad_accum 2, 4 steps: the 8th micro-batch is the last
+        calls.append(1)
+        if len(calls) == 8:
+            signal.raise_signal(signal.SIGINT)
+        return real(model, batch)
+
+    monkeypatch.setattr(step_module, "loss_sum", sigint_in_the_last_step)
+    result = train(config(base, tmp_path / "run", "train.steps=4", "train.log_every=2"))
+    assert result.stopped is None and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not [r for r in records(tmp_path / "run") if r.get("kind") == "stopped"]
+
+
+def test_warmup_as_long_as_the_run_is_refused_when_the_config_is_read(base, tmp_path):
+    with pytest.raises(ValueError, match=r"schedule.warmup_steps: 4 warmup steps leave nothing of a 4-step run"):
+        config(base, tmp_path / "run", "train.steps=4", "schedule.warmup_steps=4")
+
+
 def test_a_second_sigint_exits_at_once(tmp_path):
     code = ("import time; from gapless.train.guard import StopSignals\n"
             "with StopSignals() as stop:\n    print('ready', flush=True)\n"

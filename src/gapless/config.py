@@ -592,6 +592,9 @@ class RunConfig:
         if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_sources):
             raise ValueError(f"{where}.train.eval_every: {self.train.eval_every} asks for evaluation but there "
                              "is no held-out data; set data.eval_fraction (e.g. 0.02) or data.eval_sources")
+        if self.train.steps and self.schedule.warmup_steps >= self.train.steps:  # (epochs: known once data is read)
+            raise ValueError(f"{where}.schedule.warmup_steps: {self.schedule.warmup_steps} warmup steps leave nothing "
+                             f"of a {self.train.steps}-step run (train.steps); use fewer than {self.train.steps}")
         if self.resume and not self.checkpoint.every:
             warnings.warn(f"{where}.resume is true but checkpoint.every is 0: this run writes no checkpoints "
                           "to resume from later", stacklevel=2)
