@@ -429,8 +429,13 @@ def test_step_time_measured_or_predicted(demo, tmp_path):
     step_s, source = d.predicted_step_s(cfg, gpu_env(), 200, 13.74e9, 3_212_574_720)
     toks, _ = single_gpu_tokens_per_s(GPUS["H200"], 13.74e9, 3_212_574_720)
     assert step_s == pytest.approx(256 / toks) and source.startswith("predicted for 256 slots")  # slots, not 200
-    assert d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)[0] is None
+    assert d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720) == \
+        (None, f"{d.NO_GPU} and no earlier run in {tmp_path / 'run'}")
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "tokens_per_s": 9.0}) + "\n")
+    step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)  # one window: the compile's
+    assert step_s is None and f"the run in {tmp_path / 'run'} cannot time a step" in source
+    assert "has 1 logged training windows; need at least 2" in source and "--run" not in source
     rates = [{"step": s, "loss": 1.0, "tokens_per_s": 1000.0 * s} for s in (1, 2, 3)]
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rates))
     step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)

@@ -786,10 +786,14 @@ def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_toke
     compute as a token does; traffic between GPUs left out: gapless plan), else None."""
     from gapless.diagnosis.plan import gpu_from_name, measured_from_run, single_gpu_tokens_per_s
 
+    earlier = f"no earlier run in {cfg.output_dir}"
     try:
         toks, _ = measured_from_run(cfg.output_dir)
         return real_per_step / toks, f"measured in {cfg.output_dir}: {toks:,.0f} real tok/s"
-    except (ValueError, OSError, KeyError):
+    except ValueError as e:  # a run too short to time says so, rather than "no earlier run"
+        if (Path(cfg.output_dir) / "metrics.jsonl").is_file():
+            earlier = f"the run in {cfg.output_dir} cannot time a step: {str(e).removeprefix('--run: ')}"
+    except (OSError, KeyError):
         pass
     if _is_gpu(cfg, env):
         try:
@@ -800,7 +804,7 @@ def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_toke
         slots = cfg.data.tokens_per_batch * cfg.train.grad_accum / gpus
         return slots / toks, (f"predicted for {slots:,.0f} slots per step" + (" per GPU" if gpus > 1 else "")
                               + f" at {toks:,.0f} tok/s = {source}")
-    return None, f"{NO_GPU} and no earlier run in {cfg.output_dir}"
+    return None, f"{NO_GPU} and {earlier}"
 
 
 def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool = True,
