@@ -180,7 +180,7 @@ def test_trl_converts_and_trains(files, capsys):
 
 def test_refuses_every_key_it_cannot_honour(files):
     text = AXOLOTL.replace("adapter: lora", "adapter: qlora").replace("optimizer: adamw_torch",
-                                                                       "optimizer: paged_adamw_8bit")
+                                                                       "optimizer: adafactor")
     text = text.format(**files, out="x").replace("wandb_project:\n", "wandb_project: mine\nwandb_watch: all\n")
     raw = yaml.safe_load(text + "deepspeed: deepspeed_configs/zero2.json\nlr_scheduler_kwargs: {a: 1}\n")
     with pytest.raises(ValueError) as e:
@@ -190,6 +190,22 @@ def test_refuses_every_key_it_cannot_honour(files):
         assert f"\n  {key}:" in msg, key
     if "qlora" not in typing.get_args(typing.get_type_hints(RunConfig)["method"]):  # until QLoRA lands
         assert "adapter: qlora" in msg and "method 'qlora'" in msg
+
+
+def test_low_memory_adamw_is_adamw_for_an_adapter_and_refused_for_full_fine_tuning(files):
+    """Axolotl's and TRL's usual paged_adamw_8bit: an adapter's moments are small, so plain AdamW stands in (said in
+    the mapping); full fine-tuning, whose moments are 8 bytes a weight, refuses it."""
+    text = AXOLOTL.format(**files, out="x").replace("optimizer: adamw_torch", "optimizer: paged_adamw_8bit")
+    ax = yaml.safe_load(text)
+    conv = convert(ax)
+    assert any(k == "optimizer: paged_adamw_8bit" and "AdamW with float32 moments" in v for k, v in conv.applied)
+    assert from_dict(RunConfig, conv.config).method == "lora"
+    with pytest.raises(ValueError, match=r"optimizer: paged_adamw_8bit: full fine-tuning keeps float32 AdamW"):
+        convert({k: v for k, v in ax.items() if k != "adapter"})
+    trl = yaml.safe_load(TRL.format(**files, out="x"))
+    assert trl.get("use_peft")
+    conv = convert({**trl, "optim": "adamw_8bit"})
+    assert any(k == "optim: adamw_8bit" for k, _ in conv.applied)
 
 
 def test_axolotl_tracking_keys_become_report_to(files):
