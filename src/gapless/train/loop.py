@@ -539,10 +539,10 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 metrics.write({"step": step, **ev, "elapsed_s": time.perf_counter() - timeline.t0})
                 run.progress.message(f"step {step}: eval loss {ev['eval_loss']:.4f}")
 
-            # one process: also a signal that came during this step's logging, evaluation or checkpoint. After the
-            # last step the run is complete: it finishes (final evaluation, adapter or model) instead of stopping
-            if (stopping or (not run.parallel.active and stop is not None and stop.requested)) \
-                    and step < run.steps_total:
+            if not run.parallel.active:  # one process: also a signal during this step's logging, eval or checkpoint
+                stopping = stop is not None and stop.requested is not None
+            # after the last step the run is complete: it finishes (final evaluation, adapter or model) instead
+            if stopping and step < run.steps_total:
                 # preemption or Ctrl-C: this step's checkpoint, on disk before the run ends (bounded: one step and
                 # one checkpoint write)
                 if not saved:
