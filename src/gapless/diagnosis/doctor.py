@@ -718,16 +718,22 @@ def check_compile(cfg: RunConfig, env: dict) -> list[Finding]:
 def check_lora_dropout(cfg: RunConfig, env: dict) -> list[Finding]:
     """LoRA dropout through torch's nn.Dropout (lora.fused_dropout: false) on a GPU: the masks it saves cost speed
     and memory that the fused kernels do not."""
-    if cfg.method == "full" or cfg.lora.dropout == 0:
-        return _f("cfg.lora_dropout", "ok", "no LoRA dropout" if cfg.method != "full" else "full fine-tuning: no LoRA")
-    if cfg.method == "lora" and not cfg.lora.fused_dropout and _is_gpu(cfg, env):
+    if cfg.method == "full":
+        return _f("cfg.lora_dropout", "ok", "full fine-tuning: no LoRA")
+    if cfg.lora.dropout == 0:
+        return _f("cfg.lora_dropout", "ok", "no LoRA dropout")
+    gpu = _is_gpu(cfg, env)
+    if cfg.method == "qlora":
+        where = "QLoRA's layers draw it with torch's dropout (masks saved)"
+    elif not gpu:
+        where = f"torch's dropout ({NO_GPU})"
+    elif cfg.lora.fused_dropout:
+        where = "drawn in the fused kernels, no mask saved"
+    else:
         return _f("cfg.lora_dropout", "warning", f"lora.dropout {cfg.lora.dropout:g} through torch's dropout "
                   "(lora.fused_dropout false): a bool mask per group is saved for backward",
                   f"{TORCH_DROPOUT_COST:.1%} of throughput and {TORCH_DROPOUT_GIB:.0f} GiB of peak memory (Llama-3.2-3B "
                   "at 16,384 tokens, H100)", "lora.fused_dropout: true")
-    where = {"qlora": "QLoRA's layers draw it with torch's dropout (masks saved)",
-             "lora": "drawn in the fused kernels, no mask saved" if cfg.lora.fused_dropout and _is_gpu(cfg, env)
-             else "torch's dropout" + ("" if _is_gpu(cfg, env) else f" ({NO_GPU})")}[cfg.method]
     return _f("cfg.lora_dropout", "ok", f"lora.dropout {cfg.lora.dropout:g}: {where}")
 
 
