@@ -27,6 +27,8 @@
 #                                  runs fa4_op): `default`, `default_concat` (LoRA inside the base GEMMs) and
 #                                  `default_dropout` on Llama-3.2-3B, then `default` on Llama-3.1-8B (TOKENS_8B: 16,384
 #                                  over 100 GiB, else 8,192) and Llama-3.2-1B
+#   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
+#                                  picks others), on a machine where flash-attn-4 is installed (a `default` call before)
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -54,9 +56,12 @@ if compgen -G ".whl/fa4*/*" > /dev/null; then
   if compgen -G "/root/stash/flash_attn_4-*.whl" > /dev/null && [[ -f /root/stash/parts ]] \
       && (( $(ls /root/stash/*.whl.part.* | wc -l) == $(cat /root/stash/parts) )); then
     for first in /root/stash/*.whl.part.aa; do cat "${first%.aa}".* > "${first%.part.aa}"; done
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl \
-      && export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl
   fi
+fi
+# installed by an earlier call on this warm machine too: a later call needs no wheels carried
+if [[ -d /tmp/site/flash_attn ]]; then
+  export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
 fi
 QPEERS=""  # the seed's HF+PEFT+bitsandbytes QLoRA (bench/peers/hf_peft_bench.py) where the wheel was carried
 if compgen -G ".whl/bnb/*.whl" > /dev/null; then
@@ -108,6 +113,13 @@ elif [[ $MODE == startup ]]; then
   timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 1,8 --repeats 2 --cold \
     2>&1 | tee "$OUT/load_time.log"
   timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
+elif [[ $MODE == profile ]]; then
+  # where one step of `default` (and `default_concat`) goes, by kernel kind and aten op (bench/profile_step.py)
+  PROFILE_CONFIGS=${PROFILE_CONFIGS:-default,default_concat}
+  for c in ${PROFILE_CONFIGS//,/ }; do
+    timeout -k 10 "$(left 0)" "$PY" bench/profile_step.py --model $M3 --config "$c" --lengths "$LENGTHS" \
+      --json "$OUT/profile-$c.json" 2>&1 | tee "$OUT/profile-$c.txt"
+  done
 elif [[ $MODE == peer ]]; then
   bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}" \
     --tokens-per-batch "${PEER_TOKENS:-$BIG_TOKENS}"
