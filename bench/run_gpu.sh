@@ -19,7 +19,8 @@
 #   bash bench/run_gpu.sh startup  the example 3B config's start-up, cold and warm (bench/startup_gpu.py: random weights
 #                                  written first; carry ../shared/data/messages as .carry/messages and
 #                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
-#                                  reading threads (bench/load_time.py) and the loading GPU test
+#                                  reading threads (bench/load_time.py) and the loading GPU test; STARTUP_CPROFILE=1: one more warm
+#                                  run under cProfile, its stats in $OUT/warm.prof
 #   bash bench/run_gpu.sh peer     HF+PEFT+Liger packed on Llama-3.2-3B at PEER_TOKENS (16,384 where the GPU has over
 #                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
 #                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
@@ -107,7 +108,8 @@ if [[ $MODE == tests ]]; then
 elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
 elif [[ $MODE == startup ]]; then
-  timeout -k 10 "$(left 120)" "$PY" bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$RUN_ID" 2>&1 \
+  timeout -k 10 "$(left 120)" "$PY" bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$RUN_ID" \
+    ${STARTUP_CPROFILE:+--cprofile "$OUT/warm.prof"} 2>&1 \
     | tee "$OUT/startup.log"
   cp /tmp/gapless-startup/*.log "$OUT"/ 2>/dev/null
   timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 1,8 --repeats 2 --cold \

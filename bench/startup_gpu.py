@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results.jsonl to append to (default bench/results.jsonl; "
                                                            "--tiny: WORK/results.jsonl)")
     p.add_argument("--run-id", default=None)
+    p.add_argument("--cprofile", type=Path, default=None, help="after the row: one more warm run under cProfile, its "
+                                                               "stats written here (pstats; not timed for the row)")
     opts = p.parse_args(argv)
 
     work = opts.work.resolve()
@@ -192,14 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "compile"), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     results, page_cache_dropped = {}, False
+    def train_command(run_dir: Path) -> list[str]:
+        return ["-m", "gapless.cli", "train", str(opts.config), f"model.path={work / 'model'}",
+                f"data.sources.0.path={data}", f"data.cache_dir={caches / 'tokens'}", "train.steps=1",
+                f"output_dir={run_dir}", *overrides, "--overwrite"]
+
     for name in ("cold", "warm"):
         if name == "cold":
             page_cache_dropped = drop_page_cache(work / "model")
         run_dir = work / "runs" / name
-        command = [sys.executable, "-m", "gapless.cli", "train", str(opts.config), f"model.path={work / 'model'}",
-                   f"data.sources.0.path={data}", f"data.cache_dir={caches / 'tokens'}", "train.steps=1",
-                   f"output_dir={run_dir}", *overrides, "--overwrite"]
-        results[name] = run_once(name, command, env, run_dir, work / f"{name}.log")
+        results[name] = run_once(name, [sys.executable, *train_command(run_dir)], env, run_dir, work / f"{name}.log")
         r = results[name]
         print(f"[startup] {name}: {r['outside_s']:.1f} s to the end of step 1 (outside clock; inside "
               f"{r['inside_s']:.1f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items())
@@ -232,6 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     append_row(out, row)
     print(f"[startup] cold {row['cold_s']:.1f} s, warm {row['warm_s']:.1f} s (targets {TARGETS['cold_s']:.0f} and "
           f"{TARGETS['warm_s']:.0f} s on one H200); row appended to {out}", flush=True)
+    if opts.cprofile:  # where a warm start's seconds go, function by function (python -m pstats FILE)
+        run_dir = work / "runs" / "profiled"
+        # main() under cProfile.run, not `python -m cProfile`: the command's entry() ends the process with
+        # os._exit, before cProfile would write its file
+        script = (f"import cProfile, sys; sys.argv = ['gapless', *sys.argv[1:]]; "
+                  f"cProfile.run('import gapless.cli; gapless.cli.main()', {str(opts.cprofile.resolve())!r})")
+        r = run_once("profiled", [sys.executable, "-c", script, *train_command(run_dir)[2:]], env, run_dir,
+                     work / "profiled.log")
+        print(f"[startup] warm under cProfile: {r['outside_s']:.1f} s to the end of step 1; stats in {opts.cprofile}",
+              flush=True)
     return 0
 
 
