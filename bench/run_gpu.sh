@@ -26,7 +26,8 @@
 #                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
 #   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/fa4b: flash-attn-4 installed, so `auto`
 #                                  runs fa4_op): `default`, `default_concat` (LoRA inside the base GEMMs) and
-#                                  `default_dropout` on Llama-3.2-3B, then `default` on Llama-3.1-8B (TOKENS_8B: 16,384
+#                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
+#                                  Llama-3.1-8B (TOKENS_8B: 16,384
 #                                  over 100 GiB, else 8,192) and Llama-3.2-1B
 #   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
 #                                  picks others), on a machine where flash-attn-4 is installed (a `default` call before)
@@ -129,7 +130,7 @@ elif [[ $MODE == default ]]; then
   # issue fast2's targets: `default`, what a default config resolves to here (fa4_op where flash-attn-4 was carried,
   # the row's attn says), beside LoRA inside the base GEMMs and LoRA dropout 0.05, on Llama-3.2-3B; then Llama-3.1-8B
   # and Llama-3.2-1B. Reserves: 8B ~130 s, 1B ~70 s (the H100's calls: a 3B config ~75 s after the first's compile)
-  bench 200 --model $M3 --config default,default_concat,default_dropout
+  bench 200 --model $M3 --config "${DEFAULT_CONFIGS:-default,default_concat,default_dropout}"
   bench 75 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-$BIG_TOKENS}"
   bench 0 --model bench/models/llama-3.2-1b --config default
 elif [[ $MODE == methods ]]; then

@@ -351,11 +351,53 @@ def test_a_read_error_in_a_reading_thread_names_the_file_and_tensor(hf_checkpoin
             loading.load_weights(loading.build(folder), "float32", threads=threads)
 
 
+def test_staged_reader_reads_every_dtype_in_chunks_and_names_a_short_file(tmp_path):
+    """The CUDA loader's reader (pread into two staging buffers, then a copy to the device), run on the host with
+    7-byte buffers so every tensor crosses several: each dtype it reinterprets, an empty tensor and a scalar come
+    back equal to safetensors' own load; a file cut short after the check names the file and the tensor."""
+    import os
+
+    from gapless.model.loading import _STAGED_DTYPES, _StagedReader, tensor_extents
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"bf16": torch.randn(5, 3, generator=g).bfloat16(), "f32": torch.randn(7, generator=g),
+               "f16": torch.randn(2, 2, 3, generator=g).half(), "f64": torch.randn(3, generator=g).double(),
+               "i64": torch.arange(-4, 5), "i32": torch.arange(9, dtype=torch.int32), "u8": torch.arange(11).byte(),
+               "i8": torch.arange(-3, 3, dtype=torch.int8), "i16": torch.arange(5, dtype=torch.int16),
+               "bool": torch.arange(6) % 2 == 0, "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    extents = tensor_extents(path)
+    assert set(extents) == set(tensors) and {e[0] for e in extents.values()} <= set(_STAGED_DTYPES)
+    reader = _StagedReader(torch.device("cpu"), stage_bytes=7)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for key, want in load_file(path).items():
+            got = reader.read(fd, path, key, extents[key])
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+    finally:
+        os.close(fd)
+    last = max(extents, key=lambda k: extents[k][3])
+    path.write_bytes(path.read_bytes()[:extents[last][3] - 3])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match=rf"{path}: tensor {last} could not be read: the file ends before byte"):
+            reader.read(fd, path, last, extents[last])
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_parallel_load_straight_to_cuda_equals_the_host_load(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("stage_bytes", [None, 4096])
+def test_parallel_load_straight_to_cuda_equals_the_host_load(hf_checkpoint, tmp_path, monkeypatch, stage_bytes):
+    """The staged CUDA reader (default buffers, and 4 KiB ones so each tensor takes many copies through the two
+    buffers) gives the host load's tensors bit for bit."""
+    import gapless.model.loading as loading
     from gapless.model.loading import build, load_weights
 
+    if stage_bytes:
+        monkeypatch.setattr(loading, "STAGE_BYTES", stage_bytes)
     folder = _sharded(hf_checkpoint, tmp_path)
     host = load_weights(build(folder), "bfloat16", "cpu", threads=1)
     cuda = load_weights(build(folder), "bfloat16", "cuda", threads=4)
