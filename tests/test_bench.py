@@ -279,16 +279,13 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
 
     recipe, model, data, lora = CONFIGS["default"], ModelConfig(path="m"), DataConfig(sources=[]), LoraConfig()
     assert (recipe.batching, recipe.attn, recipe.lora_kernel, recipe.lora_dropout, recipe.fused_dropout,
-            recipe.fused_update, recipe.checkpoint) == (data.batching, model.attn_backend, lora.kernel, lora.dropout,
-                                                        lora.fused_dropout, lora.fused_update,
-                                                        bool(model.activation_checkpointing))
+            recipe.checkpoint) == (data.batching, model.attn_backend, lora.kernel, lora.dropout, lora.fused_dropout,
+                                   bool(model.activation_checkpointing))
     assert model.compile == "auto" and recipe.compile and recipe.loss == "fused_compiled"  # auto: on with CUDA
     assert recipe.loss_chunk == DEFAULT_CHUNK_SIZE and recipe.method == "lora"
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
     assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
     assert CONFIGS["default_concat"] == replace(recipe, lora_kernel="concat")
-    assert CONFIGS["default_fused_update"] == replace(recipe, fused_update=True)
-    assert CONFIGS["default_concat_fused_update"] == replace(recipe, lora_kernel="concat", fused_update=True)
     args = model_args_from_config(TINY)
     assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"
     assert resolve_attn(CONFIGS["best"], args, torch.device("cpu"), torch.float32) == ("varlen", "")

@@ -110,7 +110,6 @@ class Recipe:
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
     lora_dropout: float = 0.0
     fused_dropout: bool = True  # lora.fused_dropout: the mask drawn in the A matmul's kernels (CUDA with triton)
-    fused_update: bool = False  # lora.fused_update: (x A^T) B^T summed in the kernel that reads it (compiled)
     method: str = "lora"  # config.method: lora | qlora (NF4 base) | full (every weight, float32 masters)
 
     def describe(self) -> str:
@@ -120,7 +119,6 @@ class Recipe:
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
                          + ([f"LoRA dropout {self.lora_dropout:g}" + ("" if self.fused_dropout else " (torch)")]
                             if self.lora_dropout else [])
-                         + (["fused update"] if self.fused_update else [])
                          + ([f"method {self.method}"] if self.method != "lora" else []))
 
 
@@ -165,13 +163,6 @@ CONFIGS = {
     # default with LoRA inside the base GEMMs (lora.kernel: concat): 33,619 against default's 33,122 tok/s on an H100,
     # but in two calls (runs s11-default, s11-default2); the default changes only if it wins in the same call
     "default_concat": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
-    # default and default_concat with the update (x A^T) B^T summed inside the kernel that reads it (lora.fused_update):
-    # on an H100 the forward's rank-16 update GEMMs took 9.8 ms of a 499 ms concat step and wrote [tokens, out]
-    # products that the adds read back (run s12-prof, bench/profile_step.py)
-    "default_fused_update": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
-                                   fused_update=True),
-    "default_concat_fused_update": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
-                                          fused_update=True),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
     "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
                                     lora_dropout=0.05, fused_dropout=False),
@@ -198,7 +189,7 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     (gapless.train.assemble: built on meta, the method, checkpointing, compile, then the weights), and the recipe's
     loss."""
     lora = LoraConfig(r=lora_r, kernel=recipe.lora_kernel, dropout=recipe.lora_dropout,
-                      fused_dropout=recipe.fused_dropout, fused_update=recipe.fused_update)
+                      fused_dropout=recipe.fused_dropout)
     recipe = replace(recipe, attn=resolve_attn(recipe, args, device, dtype)[0])
     method = {"lora": lambda: Lora(lora), "qlora": lambda: Qlora(lora, dtype), "full": Full}[recipe.method]()
     with torch.device("meta"):

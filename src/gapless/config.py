@@ -52,9 +52,6 @@ class LoraConfig:
     # against 31,534 real tokens/s and 46.9 against 56.9 GiB for Llama-3.2-3B at dropout 0.05 on an H100 (issue 18);
     # false = torch's nn.Dropout, which saves a bool mask per group for backward
     fused_dropout: bool = True
-    # under torch.compile, the update (x A^T) B^T summed inside the kernel of what reads it (the add to the base
-    # output, SwiGLU, RoPE) instead of a rank-r GEMM whose [tokens, out] product is written and read back
-    fused_update: bool = False
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False

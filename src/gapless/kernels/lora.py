@@ -17,11 +17,6 @@ removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_co
 matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
 neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
 
-The update (x A^T) B^T: a GEMM of its own ([N, r] @ [r, out]: cuBLAS at 40% of the memory bound, writing an [N, out]
-product that the add to the base output then reads), or with `fused_update` under torch.compile a sum of r
-products that inductor writes into the kernel of what reads it (the add, SwiGLU, RoPE), so the product is never
-stored (lora_update; its backward stays two GEMMs).
-
 Dropout: `dropout` is what LoraLinear holds (a FusedDropout, an nn.Dropout under lora.fused_dropout: false, or
 nn.Identity at p = 0) or any callable on x. A FusedDropout in training on a CUDA tensor with triton importable runs
 the A matmul fused (gapless.kernels.lora_dropout: the mask drawn in registers from a seed, never stored; its
@@ -38,37 +33,8 @@ from torch import Tensor
 from gapless.kernels.lora_dropout import fused_dropout_applies, lora_dropout_a
 
 
-class _FusedUpdate(torch.autograd.Function):
-    """scaling * xa B^T for xa [..., r], B [out, r] (float32 master, cast to xa's dtype), forward as the sum of r
-    broadcast products in float32 (what inductor fuses into the consumer's kernel; no [..., out] product of its own),
-    backward as two GEMMs: dxa = dy (scaling B) and dB = scaling dy^T xa."""
-
-    @staticmethod
-    def forward(ctx, xa: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
-        ctx.save_for_backward(xa, lora_b)
-        ctx.scaling = scaling
-        update = (xa.unsqueeze(-1).float() * lora_b.t().float()).sum(-2)  # [..., r, out] summed over r
-        return (update * scaling).to(xa.dtype)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        xa, lora_b = ctx.saved_tensors
-        dxa = dy @ (lora_b * ctx.scaling).to(dy.dtype)  # [..., r]
-        db = (dy.flatten(0, -2).t() @ xa.flatten(0, -2)) * ctx.scaling  # [out, r]
-        return dxa, db.to(lora_b.dtype), None
-
-
-def lora_update(xa: Tensor, lora_b: Tensor, scaling: float, fused: bool = False) -> Tensor:
-    """scaling * xa B^T in xa's dtype: under torch.compile with `fused`, as _FusedUpdate's sum that inductor writes
-    into the kernel reading it; otherwise (eager, where that sum would store an [..., r, out] product) one GEMM."""
-    if fused and torch.compiler.is_compiling():
-        return _FusedUpdate.apply(xa, lora_b, scaling)
-    return F.linear(xa, lora_b.to(xa.dtype)) * scaling
-
-
 def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                          scaling: float, dropout: Callable[[Tensor], Tensor] | None = None,
-                          fused_update: bool = False) -> Tensor:
+                          scaling: float, dropout: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """The plain-PyTorch formula, x W^T + b + scaling * B A dropout(x), differentiated by autograd.
 
     The reference that the grouped form is tested against, and the path of the layers that run alone (o_proj,
@@ -79,12 +45,12 @@ def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a
     else:
         xd = x if dropout is None else dropout(x)
         xa = F.linear(xd, lora_a.to(x.dtype))  # [..., r]
-    return F.linear(x, weight, bias) + lora_update(xa, lora_b, scaling, fused_update)  # update [..., out]
+    return F.linear(x, weight, bias) + F.linear(xa, lora_b.to(x.dtype)) * scaling  # update [..., out]
 
 
 def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
                         lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor], scalings: Sequence[float],
-                        dropout: Callable[[Tensor], Tensor] | None = None, fused_update: bool = False) -> list[Tensor]:
+                        dropout: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """lora_linear_reference for layers that read the same x (q/k/v; gate/up), their A matrices as one matmul.
 
     dropout(x) [A_q; A_k; A_v]^T is one [N, r_q + r_k + r_v] GEMM, split into each layer's x A^T; autograd then
@@ -104,7 +70,7 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
         xd = x if dropout is None else dropout(x)
         a = torch.cat([lora_a.to(x.dtype) for lora_a in lora_as])  # [sum r, in]
         xas = F.linear(xd, a).split(ranks, dim=-1)  # each [..., r]
-    return [F.linear(x, w, b) + lora_update(xa, lora_b, scaling, fused_update)
+    return [F.linear(x, w, b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
             for w, b, xa, lora_b, scaling in zip(weights, biases, xas, lora_bs, scalings)]
 
 
@@ -142,8 +108,7 @@ class _ConcatLinear(torch.autograd.Function):
 
 
 def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
-                       lora_bs: Sequence[Tensor], scalings: Sequence[float],
-                       fused_update: bool = False) -> list[Tensor]:
+                       lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[Tensor]:
     """lora_linear_reference for the k layers that read the same x (q/k/v; gate/up; or one layer alone), the frozen
     projections and the A matrices as ONE GEMM: x [W_1; ..; W_k; A_1; ..; A_k]^T gives every base output and every
     x A_i^T, so x is read once forward and dx is one GEMM backward (_ConcatLinear). Then the rank-r B matmuls, the
@@ -161,5 +126,5 @@ def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None
         f"{x.dtype}")
     parts = _ConcatLinear.apply(x, concat, (*outs, *ranks), *lora_as)
     k = len(outs)
-    return [(y if b is None else y + b) + lora_update(xa, lora_b, scaling, fused_update)
+    return [(y if b is None else y + b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
             for y, b, xa, lora_b, scaling in zip(parts[:k], biases, parts[k:], lora_bs, scalings)]

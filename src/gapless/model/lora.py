@@ -48,7 +48,7 @@ class LoraLinear(nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update, with PEFT's parameter names."""
 
     def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float, dtype: torch.dtype, *,
-                 kernel: LoraKernel, fused_dropout: bool = True, fused_update: bool = False):
+                 kernel: LoraKernel, fused_dropout: bool = True):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         # the base layer's own Parameters, not copies: same memory, same state-dict keys
@@ -66,8 +66,6 @@ class LoraLinear(nn.Module):
         # "concat": the frozen weights and the A rows of the layers that read the same input as one GEMM, over a
         # buffer that concat_lora_weights builds once the weights exist (until then these layers run "grouped")
         self.kernel = kernel
-        # the update x A^T B^T summed inside the kernel that reads it, under torch.compile (kernels.lora.lora_update)
-        self.fused_update = fused_update
         # [sum out + sum r, in] in the weights' dtype, shared by the layers of one group; `weight` is a view into it
         self.register_buffer("lora_concat", None, persistent=False)
         self.reset_lora_parameters()
@@ -80,9 +78,9 @@ class LoraLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.lora_concat is not None:  # o_proj, down_proj: [W; A] as one GEMM
             return lora_linear_concat(x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight],
-                                      [self.scaling], fused_update=self.fused_update)[0]
+                                      [self.scaling])[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
-                                     dropout=self.lora_dropout, fused_update=self.fused_update)
+                                     dropout=self.lora_dropout)
 
     @staticmethod
     def group_forward(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
@@ -98,7 +96,7 @@ class LoraLinear(nn.Module):
             members = [layer for layer, join in zip(layers, concat) if join]
             outs = iter(lora_linear_concat(
                 x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
-                [m.lora_B.weight for m in members], [m.scaling for m in members], fused_update=members[0].fused_update))
+                [m.lora_B.weight for m in members], [m.scaling for m in members]))
             return [next(outs) if join else layer(x) for layer, join in zip(layers, concat)]
         # "concat" layers whose buffer is not built yet run grouped: the same sums
         joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", "concat") for layer in layers]
@@ -107,8 +105,7 @@ class LoraLinear(nn.Module):
             return [layer(x) for layer in layers]
         outs = iter(lora_linear_grouped(
             x, [g.weight for g in grouped], [g.bias for g in grouped], [g.lora_A.weight for g in grouped],
-            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped], dropout=grouped[0].lora_dropout,
-            fused_update=grouped[0].fused_update))
+            [g.lora_B.weight for g in grouped], [g.scaling for g in grouped], dropout=grouped[0].lora_dropout))
         return [next(outs) if join else layer(x) for layer, join in zip(layers, joins)]
 
     def extra_repr(self) -> str:
@@ -207,8 +204,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     assert targets, f"no linear layers named {cfg.target_modules} under model.layers"
     for name in targets:
         _set_submodule(model, name, LoraLinear(model.get_submodule(name), cfg.r, cfg.scaling, cfg.dropout,
-                                               adapter_dtype, kernel=kernel, fused_dropout=cfg.fused_dropout,
-                                               fused_update=cfg.fused_update))
+                                               adapter_dtype, kernel=kernel, fused_dropout=cfg.fused_dropout))
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith((".lora_A.weight", ".lora_B.weight"))
     model.lora_config = cfg
