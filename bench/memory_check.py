@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                               lora_targets=lora.get("targets", ALL_LINEAR),
                               activation_checkpointing=int(recipe.get("checkpoint", False)),
                               compiled=recipe.get("compile", False), loss_chunk=recipe.get("loss_chunk", 4096),
-                              lora_dropout=lora.get("dropout") or 0.0, lora_kernel=recipe.get("lora_kernel", "grouped"))
+                              lora_dropout=lora.get("dropout") or 0.0, lora_kernel=recipe.get("lora_kernel", "concat"))
         error = est.allocated_gib / row["peak_gib"] - 1
         worst = max(worst, abs(error))
         print(f"{row['run_id']:<28} {row['model']:<14} {row['config']:<22} {method:<6} {row['tokens_per_batch']:>7} "

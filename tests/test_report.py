@@ -160,7 +160,7 @@ def test_report_header_numbers_and_findings(tmp_path):
     assert f"{real:,}" in page and f"{steady:,.0f}" in page and f"{real / wall:,.0f}" in page
     assert "MFU" in page and f"{train[-1]['loss']:.4f}" in page
     assert "models/Llama-3.1-8B-Instruct" in page and "cosine, warmup 3% of steps" in page
-    assert "varlen, compiled layers" in page and "grouped" in page  # what ran: attention, compile, LoRA kernel
+    assert "varlen, compiled layers" in page and "concat" in page  # what ran: attention, compile, LoRA kernel
     assert "power throttling" in page and "input-bound" not in page  # the recording caps power at 700 W
     for label in ("startup", "compute", "waiting for data", "checkpoint stall", "evaluation"):
         assert f"<td>{label}</td>" in page

@@ -39,8 +39,9 @@ The ladder (`--ladder`, in this order; each rung is one named configuration):
   packed_fused          + the fused, chunked linear cross-entropy (no [tokens, vocab] logits)
   packed_fused_flex     + FlexAttention instead of varlen (2.48 vs 2.81 ms/layer, but ~200 s of first compile)
   packed_fused_compile  + torch.compile of each decoder layer and of the loss's per-chunk step (varlen)
-  best                  + LoRA's A matmuls grouped for q/k/v and for gate/up (lora.kernel "grouped", the
-                        trainer's default; the rungs above run PEFT's per-layer formula)
+  best                  + LoRA's A matmuls grouped for q/k/v and for gate/up (lora.kernel "grouped"; the
+                        rungs above run PEFT's per-layer formula; the trainer's default, "concat", is in
+                        `default`)
 Not in the ladder, as it needs flash-attn-4: best_fa4, best with fa4_op attention, the fastest measured.
 Anywhere, the CPU included: packed_sdpa and packed_sdpa_fused (packed with the sdpa reference attention).
 
@@ -150,21 +151,22 @@ CONFIGS = {
     # apart from QLoRA's
     "best_ckpt": Recipe("packed", "varlen", "fused_compiled", checkpoint=True, compile=True, lora_kernel="grouped"),
     # best and best_fa4 with LoRA inside the base GEMMs (lora.kernel "concat", gapless.kernels.lora): one GEMM of x
-    # with [W; A] per group of projections, forward and for dx; the default stays grouped until these measure faster
+    # with [W; A] per group of projections, forward and for dx (the trainer's default since run s12-default)
     "best_concat": Recipe("packed", "varlen", "fused_compiled", compile=True, lora_kernel="concat"),
     "best_fa4_concat": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="concat"),
     # exactly what a default config (gapless.config.RunConfig()) resolves to on this machine: packed rows, the
     # attention backend `attn_backend: auto` picks (fa4_op where flash-attn-4 imports, i.e. with gapless[gpu], varlen
-    # otherwise; the row says which), the fused loss compiled, compiled layers, grouped LoRA. tests/test_bench.py
-    # holds this recipe to the config's defaults; default_dropout is the seed's recipe (lora.dropout 0.05) on it
-    "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
-    "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
+    # otherwise; the row says which), the fused loss compiled, compiled layers, LoRA inside the base GEMMs
+    # (lora.kernel concat). tests/test_bench.py holds this recipe to the config's defaults; default_dropout is the
+    # seed's recipe (lora.dropout 0.05) on it, which runs grouped (concat cannot share x with dropout(x))
+    "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
+    "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                               lora_dropout=0.05),
-    # default with LoRA inside the base GEMMs (lora.kernel: concat): 33,619 against default's 33,122 tok/s on an H100,
-    # but in two calls (runs s11-default, s11-default2); the default changes only if it wins in the same call
-    "default_concat": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
+    # the default before run s12-default (lora.kernel grouped; rows before it named `default` ran this): 33,142
+    # against concat's 33,683 tok/s on an H100 in one call (then named default and default_concat)
+    "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
-    "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
+    "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                                     lora_dropout=0.05, fused_dropout=False),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),

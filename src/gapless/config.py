@@ -32,14 +32,18 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #   "grouped"    the plain formula with one A matmul for the layers that read the same input (q/k/v, gate/up):
 #                each rank-r GEMM over the activations runs 4 times per layer instead of 7, forward and backward.
 #                479.9 ms per step against 497.3 for "reference" (varlen attention), 449.7 against 471.9 with
-#                flash-attn-4 (runs s3-grouped, s3-grouped2): the default. With dropout, one mask per group
-#                (on CUDA with triton drawn inside the fused A-matmul kernels, gapless.kernels.lora_dropout).
+#                flash-attn-4 (runs s3-grouped, s3-grouped2). With dropout, one mask per group (on CUDA with
+#                triton drawn inside the fused A-matmul kernels, gapless.kernels.lora_dropout).
 #   "reference"  the plain formula autograd differentiates, one layer at a time (PEFT's: a mask per projection).
 # ("fused", the update inside the base GEMMs as one autograd.Function, measured slower, 518.7 ms against 501.2,
 # and was removed.)
 #   "concat"     the frozen projections and the A matrices of the layers that read the same input as ONE GEMM over
-#                [W_1; ..; W_k; A_1; ..; A_k] (forward; dx likewise), so each activation is read once; dropout > 0
-#                runs "grouped". Not yet measured on the H200 (bench configs best_concat, best_fa4_concat).
+#                [W_1; ..; W_k; A_1; ..; A_k] (forward; dx likewise), so each activation is read once: the default.
+#                33,683 against grouped's 33,142 real tok/s with flash-attn-4 on an H100, in one call (run
+#                s12-default; 33,619 against 33,122 in s11's two calls); with varlen 498.8 against 506.6 ms of
+#                kernels a step (run s12-prof). Where it cannot apply it runs "grouped", the same sums: dropout > 0
+#                (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
+#                and FSDP2 (each rank holds shards, not the whole projections).
 LoraKernel = Literal["grouped", "reference", "concat"]
 
 
@@ -55,7 +59,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "grouped"  # how a LoRA layer runs: grouped, reference or fused (see LoraKernel)
+    kernel: LoraKernel = "concat"  # how a LoRA layer runs: concat, grouped or reference (see LoraKernel)
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:

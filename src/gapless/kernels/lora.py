@@ -124,7 +124,10 @@ def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None
     assert concat.shape[0] == sum(outs) + sum(ranks) and concat.dtype == x.dtype, (
         f"concat buffer {tuple(concat.shape)} {concat.dtype} does not hold outputs {outs} and ranks {ranks} in "
         f"{x.dtype}")
-    parts = _ConcatLinear.apply(x, concat, (*outs, *ranks), *lora_as)
+    if torch.is_grad_enabled():
+        parts = _ConcatLinear.apply(x, concat, (*outs, *ranks), *lora_as)
+    else:  # evaluation, generation: the GEMM alone (dynamo cannot trace the Function's forward without autograd)
+        parts = F.linear(x, concat).split((*outs, *ranks), dim=-1)
     k = len(outs)
     return [(y if b is None else y + b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
             for y, b, xa, lora_b, scaling in zip(parts[:k], biases, parts[k:], lora_bs, scalings)]

@@ -114,7 +114,7 @@ class MemoryEstimate:
 def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "bfloat16", lora_r: int = 16,
                     lora_targets: Sequence[str] = ALL_LINEAR, activation_checkpointing: int = 0,
                     loss_chunk: int = 2048, compiled: bool = True, shards: int = 1, lora_dropout: float = 0.0,
-                    lora_kernel: str = "grouped", lora_dropout_fused: bool = False) -> MemoryEstimate:
+                    lora_kernel: str = "concat", lora_dropout_fused: bool = False) -> MemoryEstimate:
     """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring), on one GPU.
 
     activation_checkpointing: 0 = off, k = every k-th layer checkpointed (model.activation_checkpointing).
@@ -195,7 +195,7 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     return MemoryEstimate(rows, fixed_bytes=total - tokens * per_token, per_token_bytes=per_token, tokens=tokens)
 
 
-def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "grouped") -> int:
+def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat") -> int:
     """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
     each mask drawn. grouped (and concat, which runs grouped with dropout): the targeted projections that read the
     same input share one mask (q/k/v; gate/up); reference: one mask per targeted projection."""

@@ -188,14 +188,10 @@ def _refresh_concat_rows(model: nn.Module, args) -> None:
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Add LoRA to the decoder layers' linear projections named by cfg.target_modules; freeze all else.
 
-    kernel "concat" with dropout > 0 runs "grouped" (with a warning): the A rows would read dropout(x), the base
-    rows x, so they cannot share one GEMM."""
+    kernel "concat" (the default) with dropout > 0 runs "grouped", the same sums: the A rows would read
+    dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel)."""
     cfg.validate()
-    kernel = cfg.kernel
-    if kernel == "concat" and cfg.dropout > 0:
-        warnings.warn(f"lora.kernel 'concat' needs lora.dropout 0 (got {cfg.dropout:g}): the dropped x of the A "
-                      "rows cannot share the base GEMM's x; running 'grouped' (one mask per group)", stacklevel=2)
-        kernel = "grouped"
+    kernel = "grouped" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
     targets = [name for name, m in model.named_modules()

@@ -12,8 +12,9 @@ dtype (the caching allocator hands the same block to the next layer's dequantisa
 Backward: dx = dy W with W dequantised again rather than saved (nf4_linear, nf4_linear_dx: custom operators, so that
 torch.compile cannot merge the two dequantisations and save W): the autograd graph keeps the 4-bit storage only, so a QLoRA model's memory stays 4-bit however many layers are in flight; the price is one more
 dequantisation per layer per step (~64 us for a Llama-3.2-3B layer on the H200 by bandwidth: nf4.py).
-The LoRA update runs the plain formula (autograd differentiates it), per layer or, for "grouped", with one A matmul
-for the layers that read the same x (q/k/v; gate/up), as LoraLinear.group_forward does.
+The LoRA update runs the plain formula (autograd differentiates it), per layer or, for "grouped" and "concat" (which
+runs grouped here: an NF4 base has no rows to append A's to), with one A matmul for the layers that read the same x
+(q/k/v; gate/up), as LoraLinear.group_forward does.
 """
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ class QLoraLinear(LoraLinear):
         x, under one dropout mask for the group as there (gapless.kernels.lora.lora_linear_grouped), each base through
         its own dequantised weight (LoraLinear's would save each dequantised weight for backward); other layers run
         alone."""
-        joins = [isinstance(layer, QLoraLinear) and layer.kernel == "grouped" for layer in layers]
+        # "concat" runs grouped here: an NF4 base has no rows to append A's to
+        joins = [isinstance(layer, QLoraLinear) and layer.kernel in ("grouped", "concat") for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
