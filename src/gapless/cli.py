@@ -565,7 +565,11 @@ def entry() -> None:
     """The `gapless` command (and `python -m gapless.cli`): main(), then the process ends without the interpreter's
     teardown of torch's and transformers' modules, which took 1-3 s on a CPU after a run's last record was written
     (its clock would otherwise disagree with one outside the process by that much). Everything is written and
-    closed by then; the standard streams are flushed here."""
+    closed by then; the standard streams are flushed here. Before anything heavy is imported, the imports' bytecode
+    is kept in gapless's cache where Python would compile it again on every start (gapless.bytecode)."""
+    from gapless.bytecode import cache_bytecode
+
+    cache_bytecode()
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
