@@ -10,7 +10,8 @@
    the same).
 2. Runs `gapless train examples/llama-3.2-3b-lora.yaml model.path=WORK/model data.sources.0.path=DATA
    train.steps=1 ...` in a subprocess twice:
-     cold: the compile cache (TORCHINDUCTOR_CACHE_DIR) and the token cache (data.cache_dir) empty, and the weights'
+     cold: the compile cache (TORCHINDUCTOR_CACHE_DIR), the token cache (data.cache_dir) and gapless's bytecode
+           cache (~/.cache/gapless/pycache, used where torch has no .pyc: gapless.bytecode) empty, and the weights'
            pages dropped from the OS page cache (fsync, then posix_fadvise DONTNEED: advisory, no root needed);
      warm: the same caches, now full, and the weights in the page cache.
 3. Each time, two clocks to the end of step 1: outside, from just before the subprocess is started to the moment its
@@ -42,6 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from gapless.bench import append_row, device_name
+from gapless.bytecode import PYCACHE
 from gapless.model.decoder import CausalLM
 from gapless.model.loading import model_args_from_config
 from gapless.train.assemble import random_tensors
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("cold", "warm"):
         if name == "cold":
             page_cache_dropped = drop_page_cache(work / "model")
+            shutil.rmtree(PYCACHE.expanduser(), ignore_errors=True)  # the imports' bytecode (gapless.bytecode)
         run_dir = work / "runs" / name
         results[name] = run_once(name, [sys.executable, *train_command(run_dir)], env, run_dir, work / f"{name}.log")
         r = results[name]
