@@ -3,7 +3,7 @@
     python bench/load_time.py FOLDER [--dtype bfloat16] [--device cuda] [--threads 1,8] [--repeats 3] [--cold]
     python bench/load_time.py --write-random bench/models/llama-3.2-1b/config.json FOLDER   # random weights first
 
-Each repeat, for each thread count in turn: build the model on meta and load the folder's weights into `--dtype` on
+Each repeat, for each thread count and reader (--readers) in turn: build the model on meta and load the folder's weights into `--dtype` on
 `--device` (CUDA: synchronized before the clock stops), then the seconds and GiB/s of the file's bytes, one JSON line
 each. --cold drops the shards' pages from the OS page cache before every load (bench/startup_gpu.drop_page_cache),
 so the disk is read; without it they are served from memory after the first load. On the CPU a load into the file's
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,8", help="comma-separated reading-thread counts (1: serial)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="drop the shards from the page cache before each load")
+    p.add_argument("--readers", default="staged,mmap", help="comma-separated: staged (pread into page-locked "
+                   "buffers, the CUDA default) and mmap (safetensors' memory map, the host's), each timed in turn")
     opts = p.parse_args(argv)
     if opts.write_random is not None:
         info = write_model(opts.folder, json.loads(opts.write_random.read_text()), opts.tokenizer, 5 * 2**30)
@@ -45,15 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(f.stat().st_size for f in opts.folder.glob("*.safetensors"))
     device = torch.device(opts.device)
     for repeat in range(opts.repeats):
-        for threads in (int(t) for t in opts.threads.split(",")):
+        for threads, reader in ((int(t), r) for t in opts.threads.split(",") for r in opts.readers.split(",")):
             dropped = drop_page_cache(opts.folder) if opts.cold else False
             t0 = time.perf_counter()
-            model = load_weights(build(opts.folder), opts.dtype, device, threads=threads)
+            model = load_weights(build(opts.folder), opts.dtype, device, threads=threads, staged=reader == "staged")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
             del model
-            print(json.dumps({"repeat": repeat, "threads": threads, "dtype": opts.dtype, "device": str(device),
+            print(json.dumps({"repeat": repeat, "threads": threads, "reader": reader, "dtype": opts.dtype,
+                              "device": str(device),
                               "cold": dropped, "seconds": round(seconds, 3),
                               "gib_per_s": round(size / 2**30 / seconds, 3), "file_gib": round(size / 2**30, 3)}),
                   flush=True)

@@ -229,6 +229,8 @@ def test_parallel_load_equals_serial_bit_for_bit(hf_checkpoint, tmp_path, dtype,
     serial = load_weights(build(folder), dtype, threads=1)
     parallel = load_weights(build(folder), dtype, threads=4)
     _assert_bitwise_equal(_loaded_state(parallel), _loaded_state(serial))
+    staged = load_weights(build(folder), dtype, threads=4, staged=True)  # the CUDA reader, run on the host
+    _assert_bitwise_equal(_loaded_state(staged), _loaded_state(serial))
     assert (parallel.lm_head.weight is parallel.model.embed_tokens.weight) == tied
     assert {p.dtype for p in parallel.parameters()} == {getattr(torch, dtype)}
 

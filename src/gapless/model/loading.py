@@ -524,10 +524,11 @@ def _read_tensor(handle, file: Path, key: str, device: torch.device, dtype: torc
 
 
 def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                       threads: int = LOAD_THREADS,
-                       inflight_bytes: int = LOAD_INFLIGHT_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+                       threads: int = LOAD_THREADS, inflight_bytes: int = LOAD_INFLIGHT_BYTES,
+                       staged: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for every checkpoint tensor of the folder `build` read, in the model's order, each on `device`
-    in `dtype` (None: the file's). `threads` threads read ahead of the consumer, holding at most `inflight_bytes`
+    in `dtype` (None: the file's). `staged`: read through _StagedReader (None: on CUDA) rather than safetensors'
+    memory map. `threads` threads read ahead of the consumer, holding at most `inflight_bytes`
     (or one tensor larger than that); threads <= 1 reads each tensor when it is asked for, in this thread."""
     device = torch.device(device)
     headers = decoder_headers(read_weight_headers(model.source_dir), model.args)
@@ -546,7 +547,7 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
                 raise ValueError(f"{file}: not a readable safetensors file: {e}") from None
 
         staged: dict[Path, tuple[int, dict]] = {}  # CUDA: file -> (descriptor, tensor extents) for _StagedReader
-        if device.type == "cuda":
+        if device.type == "cuda" if staged is None else staged:
             reader = _StagedReader(device)
             for file in handles:
                 fd = os.open(file, os.O_RDONLY)
@@ -595,7 +596,7 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
 @torch.no_grad()
 def load_weights(model: CausalLM, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                  hook: LoadHook | None = None, tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 threads: int = LOAD_THREADS) -> CausalLM:
+                 threads: int = LOAD_THREADS, staged: bool | None = None) -> CausalLM:
     """Stream the checkpoint's tensors into the model (`tensors`: another source of (key, tensor), e.g. random
     weights for a benchmark; default the folder `build` read, by `threads` reading threads: checkpoint_tensors).
 
@@ -605,7 +606,7 @@ def load_weights(model: CausalLM, dtype: torch.dtype | str | None = None, device
     A and B) stay on the meta device for the method to initialise.
     """
     dtype = resolve_dtype(dtype, model.config_dict)
-    for key, tensor in checkpoint_tensors(model, device, dtype, threads) if tensors is None else tensors:
+    for key, tensor in checkpoint_tensors(model, device, dtype, threads, staged=staged) if tensors is None else tensors:
         tensor = tensor.to(device=device, dtype=dtype)
         if hook is not None and hook(key, tensor):
             continue
