@@ -92,6 +92,22 @@ def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str |
                  + (f"; {why}" if why else "") + ")")
 
 
+def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str | None]:
+    """cfg with lora.kernel "concat" replaced by "grouped" where concat cannot run (the same sums), and a line saying
+    why (None where nothing changed): LoRA dropout (the A rows would read dropout(x), the base rows x), QLoRA (an NF4
+    base has no rows to append A's to), FSDP2 (each rank holds shards, not whole projections)."""
+    lora = cfg.lora
+    if cfg.method == "full" or lora.kernel != "concat":
+        return cfg, None
+    why = (f"lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the base" if lora.dropout > 0
+           else "method qlora: an NF4 base has no rows to append A's to" if cfg.method == "qlora"
+           else "FSDP2 shards the projections" if strategy == "fsdp" else None)
+    if why is None:
+        return cfg, None
+    return (replace(cfg, lora=replace(lora, kernel="grouped")),
+            f"lora.kernel: grouped, not concat ({why}; the same sums, one A matmul per group)")
+
+
 @torch.no_grad()
 def evaluate(model, batches: list[Batch], device: torch.device) -> dict:
     """Mean loss over all trained tokens of the eval batches (one sync at the end)."""
@@ -640,6 +656,7 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
     device = resolve_device(cfg.model.device)
     parallel, device = init_distributed(cfg.parallel, device, cfg.method)  # torchrun's ranks (gapless.train.parallel)
     cfg, auto_note = resolve_auto(cfg, device)  # config.yaml records what runs
+    cfg, kernel_note = resolve_lora_kernel(cfg, parallel.strategy)
     # every second from `started` on goes to one category (gapless.meter.timeline)
     timeline = Timeline(device, t0=started)
     timeline.begin("startup")
@@ -647,8 +664,9 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
                         t0=timeline.t0)  # "elapsed" on the run's clock, imports included
     with progress.route_warnings():  # one formatted line per distinct warning, above the live status line
         try:
-            if auto_note:
-                progress.message(auto_note)
+            for note in (auto_note, kernel_note):
+                if note:
+                    progress.message(note)
             cfg.check_output_dir()
             require_sinks(cfg.train.report_to)  # a missing tensorboard/wandb package: said now, not after the model
             run_dir = Path(cfg.output_dir)
