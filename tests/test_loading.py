@@ -222,15 +222,19 @@ def _assert_bitwise_equal(a, b) -> None:
 
 
 @pytest.mark.parametrize("dtype, tied", [("float32", False), ("bfloat16", True), ("float16", False)])
-def test_parallel_load_equals_serial_bit_for_bit(hf_checkpoint, tmp_path, dtype, tied):
+def test_parallel_load_equals_serial_bit_for_bit(hf_checkpoint, tmp_path, dtype, tied, monkeypatch):
+    import gapless.model.loading as loading
     from gapless.model.loading import build, load_weights
 
     folder = _sharded(hf_checkpoint, tmp_path, tie_word_embeddings=tied)
     serial = load_weights(build(folder), dtype, threads=1)
     parallel = load_weights(build(folder), dtype, threads=4)
     _assert_bitwise_equal(_loaded_state(parallel), _loaded_state(serial))
+    reads, read = [], loading._StagedReader.read
+    monkeypatch.setattr(loading._StagedReader, "read", lambda self, *args: reads.append(args[2]) or read(self, *args))
     staged = load_weights(build(folder), dtype, threads=4, staged=True)  # the CUDA reader, run on the host
     _assert_bitwise_equal(_loaded_state(staged), _loaded_state(serial))
+    assert len(reads) == len(serial.checkpoint_shapes)  # every tensor through the staged reader
     assert (parallel.lm_head.weight is parallel.model.embed_tokens.weight) == tied
     assert {p.dtype for p in parallel.parameters()} == {getattr(torch, dtype)}
 

@@ -546,17 +546,17 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{file}: not a readable safetensors file: {e}") from None
 
-        staged: dict[Path, tuple[int, dict]] = {}  # CUDA: file -> (descriptor, tensor extents) for _StagedReader
+        opened: dict[Path, tuple[int, dict]] = {}  # staged: file -> (descriptor, tensor extents) for _StagedReader
         if device.type == "cuda" if staged is None else staged:
             reader = _StagedReader(device)
             for file in handles:
                 fd = os.open(file, os.O_RDONLY)
                 stack.callback(os.close, fd)
-                staged[file] = (fd, tensor_extents(file))
+                opened[file] = (fd, tensor_extents(file))
 
         def read(key: str) -> torch.Tensor:
             file, _, key_in_file = headers[key]
-            fd, extents = staged.get(file, (None, {}))
+            fd, extents = opened.get(file, (None, {}))
             extent = extents.get(key_in_file)
             if extent is None or extent[0] not in _STAGED_DTYPES:
                 return _read_tensor(handles[file], file, key_in_file, device, dtype)
