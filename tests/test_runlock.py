@@ -87,6 +87,17 @@ def test_resume_may_change_length_logging_and_evaluation():
                                         "train.log_every": (10, 5), "train.steps": (0, 500)}
 
 
+def test_resume_may_swap_lora_kernel_concat_and_grouped_only():
+    """concat and grouped compute the same sums (a run recorded grouped before concat became the default, or
+    resolved to grouped under dropout); reference draws a mask per projection, so it stays refused."""
+    saved, new = saved_and_new("lora.kernel=concat")
+    saved["lora"]["kernel"] = "grouped"
+    assert check_resume(saved, new) == {"lora.kernel": ("grouped", "concat")}
+    saved, new = saved_and_new("lora.kernel=reference")
+    with pytest.raises(ValueError, match=r"differs from the run's config.yaml in lora.kernel "):
+        check_resume(saved, new)
+
+
 def test_default_output_dir_is_per_run_and_resume_finds_the_newest(tmp_path):
     a = default_output_dir("examples/my-run.yaml", resume=False, root=tmp_path, now=0)
     b = default_output_dir("examples/my-run.yaml", resume=False, root=tmp_path, now=3600)

@@ -36,6 +36,10 @@ RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every
              "checkpoint.keep", "checkpoint.async_write", "progress", "resume", "output_dir", "model.device",
              "model.attn_backend", "model.compile", "data.num_workers", "data.cache_dir", "train.report_to",
              "train.wandb")
+# values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat runs grouped's
+# sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
+# default recorded grouped
+INTERCHANGEABLE = {"lora.kernel": {"concat", "grouped"}}
 
 
 class RunLock:
@@ -130,14 +134,15 @@ def check_resume(saved: dict, new: dict) -> dict[str, tuple]:
     old_flat, new_flat = _flatten(saved), _flatten(new)
     changed = {k: (old_flat.get(k), new_flat.get(k)) for k in sorted(old_flat.keys() | new_flat.keys())
                if old_flat.get(k) != new_flat.get(k)}
-    refused = {k: v for k, v in changed.items() if not k.startswith(RESUMABLE)}
+    refused = {k: v for k, v in changed.items()
+               if not k.startswith(RESUMABLE) and not set(v) <= INTERCHANGEABLE.get(k, set())}
     if refused:
         listed = "; ".join(f"{k}: {json.dumps(a, default=str)} -> {json.dumps(b, default=str)}"
                            for k, (a, b) in refused.items())
         raise ValueError(f"--resume: the config differs from the run's config.yaml in {', '.join(refused)} "
                          f"({listed}); a resumed run must train the same model on the same data with the same "
-                         f"settings. Only these may change on resume: {', '.join(RESUMABLE)}. Start a new run "
-                         "for the new settings")
+                         f"settings. Only these may change on resume: {', '.join(RESUMABLE)} (and lora.kernel "
+                         "between concat and grouped). Start a new run for the new settings")
     return changed
 
 
