@@ -211,6 +211,38 @@ def test_a_stop_during_the_last_step_finishes_the_run(base, tmp_path, monkeypatc
     assert not [r for r in records(tmp_path / "run") if r.get("kind") == "stopped"]
 
 
+@pytest.mark.parametrize("when", ["last_step", "final_save"])
+def test_a_stop_while_the_run_finishes_still_writes_the_adapter(base, tmp_path, monkeypatch, when):
+    """A signal in the last step skips the final evaluation; one while the adapter is written is noted, not raised
+    (it raised KeyboardInterrupt out of the save: every step ran and no adapter was written)."""
+    from gapless.model import export
+    from gapless.train import loop
+
+    real_copy, real_loss, calls = export.copy_tokenizer_files, step_module.loss_sum, []
+
+    def signal_in_the_last_step(model, batch):  # grad_accum 2, 4 steps: the 8th micro-batch is the last
+        calls.append(1)
+        if len(calls) == 8 and when == "last_step":
+            signal.raise_signal(signal.SIGINT)
+        return real_loss(model, batch)
+
+    def signal_while_saving(*args):
+        if when == "final_save":
+            signal.raise_signal(signal.SIGTERM)
+        return real_copy(*args)
+
+    if when == "last_step":
+        monkeypatch.setattr(loop, "evaluate", lambda *a: pytest.fail("the final evaluation ran after the signal"))
+    monkeypatch.setattr(step_module, "loss_sum", signal_in_the_last_step)
+    monkeypatch.setattr(export, "copy_tokenizer_files", signal_while_saving)
+    run = tmp_path / "run"
+    result = train(config(base, run, "train.steps=4", "train.log_every=2", "data.eval_fraction=0.2"))
+    assert result.stopped is None and result.final_dir == run / "adapter"
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    evals = [r for r in records(run) if "eval_loss" in r and r["step"] == 4]
+    assert len(evals) == (0 if when == "last_step" else 1)
+
+
 def test_warmup_as_long_as_the_run_is_refused_when_the_config_is_read(base, tmp_path):
     with pytest.raises(ValueError, match=r"schedule.warmup_steps: 4 warmup steps leave nothing of a 4-step run"):
         config(base, tmp_path / "run", "train.steps=4", "schedule.warmup_steps=4")

@@ -589,12 +589,18 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     return step
 
 
-def finish(run: Run, step: int, result: RunResult, metrics) -> None:
+def finish(run: Run, step: int, result: RunResult, metrics, stop: StopSignals | None = None) -> None:
     """At the end of the run: the final evaluation and the method's final save. Then, whether the run ended or
-    stopped early, the report and the last record, which covers every second of the call."""
+    stopped early, the report and the last record, which covers every second of the call. A stop signal in the last
+    step or here is noted, not raised: the final output is written (a bounded wait), and one process skips a final
+    evaluation not yet begun."""
     timeline, progress = run.timeline, run.progress
     if step == run.steps_total and result.stopped is None:
-        if run.eval_batches:
+        # (one process only: under torchrun every rank evaluates, as FSDP2's forward is collective)
+        if run.eval_batches and stop is not None and stop.requested is not None and not run.parallel.active:
+            progress.message(f"{stop.requested}: every step ran; final evaluation skipped, "
+                             f"writing the {run.method.final_name}")
+        elif run.eval_batches:
             timeline.settle()
             with timeline.phase("eval"):
                 ev = evaluate(run.model, run.eval_batches, run.device)
@@ -692,9 +698,9 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
                     if changed:
                         metrics.write({"kind": "resume", "step": step,
                                        "changed": {k: list(v) for k, v in changed.items()}})
-                    with StopSignals() as stop:
+                    with StopSignals() as stop:  # held through finish: a signal there ends it without losing the output
                         step = run_loop(run, step, result, metrics, stop_after, stop)
-                    finish(run, step, result, metrics)
+                        finish(run, step, result, metrics, stop)
                 except BaseException:
                     metrics.close(failed=True)
                     raise
