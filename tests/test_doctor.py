@@ -435,7 +435,9 @@ def test_step_time_measured_or_predicted(demo, tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "tokens_per_s": 9.0}) + "\n")
     step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)  # one window: the compile's
     assert step_s is None and f"the run in {tmp_path / 'run'} cannot time a step" in source
-    assert "has 1 logged training windows; need at least 2" in source and "--run" not in source
+    assert "has 1 logged training window; need at least 2" in source and "--run" not in source
+    (f,) = d.check_checkpoint(cfg, step_s, 50_000_000, 100e6, 1000, source)  # the reason, not "no earlier run"
+    assert f"step time not predicted ({source})" in f.detail and "no earlier run" not in f.detail
     rates = [{"step": s, "loss": 1.0, "tokens_per_s": 1000.0 * s} for s in (1, 2, 3)]
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rates))
     step_s, source = d.predicted_step_s(cfg, cpu_env(), 200, 13.74e9, 3_212_574_720)

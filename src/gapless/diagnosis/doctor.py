@@ -290,7 +290,7 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 def check_disk(folder: Path, need_bytes: int, write_bps: float | None) -> list[Finding]:
     usage = shutil.disk_usage(folder if folder.exists() else _existing_parent(folder))
     speed = f"; measured write {write_bps / 1e6:,.0f} MB/s (fsync)" if write_bps else ""
-    need = f", the run needs about {need_bytes / 2**30:,.2f} GiB" if need_bytes else ""
+    need = f", the run needs about {_size(need_bytes)}" if need_bytes else ""
     detail = f"{folder}: {usage.free / 2**30:,.1f} GiB free{need}{speed}"
     if usage.free < need_bytes:
         return _f("env.disk", "error", detail, "the run fails when a checkpoint cannot be written",
@@ -522,11 +522,13 @@ def check_accumulation(cfg: RunConfig) -> list[Finding]:
 
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.0f} KiB"
+    return (f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20
+            else f"{nbytes / 2**10:,.0f} KiB")
 
 
 def check_checkpoint(cfg: RunConfig, step_s: float | None, ckpt_bytes: int, write_bps: float | None,
-                     steps: int | None) -> list[Finding]:
+                     steps: int | None, step_source: str = "no model config") -> list[Finding]:
+    """step_source: where step_s came from, or why it is None (predicted_step_s)."""
     c = cfg.checkpoint
     run_s = step_s * steps if step_s and steps else None
     if not c.every:
@@ -542,7 +544,7 @@ def check_checkpoint(cfg: RunConfig, step_s: float | None, ckpt_bytes: int, writ
     stall = ckpt_bytes / (HOST_COPY_GBS * 1e9) if c.async_write else write_s
     if step_s is None or stall is None:
         return _f("cfg.checkpoint", "info", f"checkpoint.every {c.every}: {_size(ckpt_bytes)} each; "
-                  "step time not predicted (no GPU in the plan's table and no earlier run in output_dir), so the "
+                  f"step time not predicted ({step_source}), so the "
                   + ("interval auto will choose is not predicted: the run measures its step time after its first "
                      f"step and picks the interval at which saves cost {SHARE:.0%}, at least {MIN_EVERY} steps"
                      if c.every == "auto" else "stall share is not predicted"))
@@ -798,7 +800,7 @@ def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_toke
         return real_per_step / toks, f"measured in {cfg.output_dir}: {toks:,.0f} real tok/s"
     except ValueError as e:  # a run too short to time says so, rather than "no earlier run"
         if (Path(cfg.output_dir) / "metrics.jsonl").is_file():
-            earlier = f"the run in {cfg.output_dir} cannot time a step: {str(e).removeprefix('--run: ')}"
+            earlier = f"the run in {cfg.output_dir} cannot time a step: {e}"
     except (OSError, KeyError):
         pass
     if _is_gpu(cfg, env):
@@ -867,7 +869,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     steps = cfg.train.steps or math.ceil(cfg.train.epochs * sampler.batches_per_epoch() / cfg.train.grad_accum)
     facts["steps"] = steps
     ckpt = checkpoint_bytes(cfg) if args else 0
-    step_s = None
+    step_s, source = None, "the model's config.json was not read"
     if args:
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
         real_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
@@ -875,7 +877,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
                                           flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args),
                                           gpus)
         facts["step_s"], facts["step_source"] = step_s, source
-    findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps)
+    findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps, source)
     # the run's folder holds (keep + 1) checkpoints while the newest is written, plus the final adapter
     findings += check_disk(out_dir, ckpt * (cfg.checkpoint.keep + 2), write_bps)
     findings += check_logging(cfg)

@@ -546,12 +546,12 @@ def measured_from_run(run_dir: str | Path) -> tuple[float, str | None]:
     """(median real tokens/s of a run's logged training windows, its GPU name from environment.json or None)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise ValueError(f"--run: {path} not found; give a run folder that has trained")
+        raise ValueError(f"{path} not found; give a run folder that has trained")
     rates = [r["tokens_per_s"] for r in map(json.loads, path.read_text().splitlines())
              if "loss" in r and r.get("tokens_per_s")]
     if len(rates) < 2:
-        raise ValueError(f"--run: {path} has {len(rates)} logged training windows; need at least 2 (the first "
-                         "holds the compile)")
+        raise ValueError(f"{path} has {len(rates)} logged training window{'s' * (len(rates) != 1)}; need at least "
+                         "2 (the first holds the compile)")
     env = Path(run_dir) / "environment.json"
     gpus = json.loads(env.read_text())["gpu"]["gpus"] if env.is_file() else []
     return float(np.median(rates[1:])), gpus[0]["name"] if gpus else None
@@ -613,7 +613,10 @@ def plan(cfg, gpus: str, *, strategy: str | None = None, run: str | None = None,
     strategy = strategy or cfg.parallel.strategy
     measured_pair = None
     if run is not None:
-        toks, name = measured_from_run(run)
+        try:
+            toks, name = measured_from_run(run)
+        except ValueError as e:
+            raise ValueError(f"--run: {e}") from None
         measured_pair = (toks, gpu_from_name(name) if name else GPUS["H200"])
     elif measured is not None:
         m = re.fullmatch(r"([\d_,.]+)@(.+)", measured.strip())
