@@ -70,4 +70,6 @@ def test_load_time_script_times_serial_and_parallel(startup, shared, tmp_path, c
     assert load_time.main([str(tmp_path / "tiny"), "--dtype", "float32", "--device", "cpu", "--threads", "1,4",
                            "--repeats", "1", "--cold"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["threads"], r["cold"]) for r in lines] == [(1, True), (4, True)] and all(r["seconds"] > 0 for r in lines)
+    assert [(r["threads"], r["reader"], r["cold"]) for r in lines] == [
+        (1, "staged", True), (1, "mmap", True), (4, "staged", True), (4, "mmap", True)]
+    assert all(r["seconds"] > 0 for r in lines)
