@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gapless.config import ALL_LINEAR, RunConfig
+from gapless.data.chat_templates import TEMPLATES
 
-# ChatML, as Axolotl's `conversation: chatml` / `chat_template: chatml` renders it; gapless takes the Jinja.
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # A Hugging Face hub id (`meta-llama/Llama-3.2-1B`): one slash, no leading `/`, `.` or `~`.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -536,8 +534,8 @@ def _wandb(c: _Converter) -> None:
 def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
     if value in ("tokenizer_default", "tokenizer_default_fallback_chatml"):
         c.note(key, "the tokenizer's chat template (data.chat_template unset)")
-    elif value == "chatml":
-        c.put(key, dotted, CHATML, "ChatML as Jinja")
+    elif value in TEMPLATES:  # Axolotl's named templates that gapless ships, as Jinja (gapless.data.chat_templates)
+        c.put(key, dotted, TEMPLATES[value], f"Axolotl's {value} template as Jinja")
     elif value == "jinja":
         tpl = c.get("chat_template_jinja")
         if tpl:
@@ -546,8 +544,9 @@ def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
         else:
             c.refuse(key, "jinja without chat_template_jinja")
     else:
-        c.refuse(key, f"gapless takes the tokenizer's template, chatml, or Jinja (data.chat_template); "
-                      f"{value!r} is a template name it does not ship")
+        c.refuse(key, f"{value!r} is a template name gapless does not ship; it ships {', '.join(TEMPLATES)}, "
+                      "takes the tokenizer's own (tokenizer_default) or Jinja (chat_template: jinja with "
+                      "chat_template_jinja; data.chat_template)")
 
 
 def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
