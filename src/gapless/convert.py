@@ -149,9 +149,6 @@ class _Converter:
 
 # what to write instead of a key gapless cannot honour, where there is something
 REFUSED_HINTS = {
-    "evals_per_epoch": "gapless evaluates every N optimizer steps: eval_steps: N (train.eval_every)",
-    "saves_per_epoch": "gapless saves every N optimizer steps: save_steps: N (checkpoint.every; unset: auto, "
-                       "at most 1% of the training time)",
     "fsdp": "gapless shards with FSDP2 under torchrun (gapless train --nproc N; parallel.strategy), not from this "
             "key: remove it",
     "fsdp_config": "gapless shards with FSDP2 under torchrun (parallel.strategy, parallel.reshard_after_forward): "
@@ -417,6 +414,8 @@ def convert_axolotl(raw: dict) -> Conversion:
         _steps(c, "save_steps", "checkpoint.every")
     if c.has("eval_steps"):
         _steps(c, "eval_steps", "train.eval_every")
+    _per_epoch(c, "evals_per_epoch", "eval_steps", "train.evals_per_epoch", "train.eval_every")
+    _per_epoch(c, "saves_per_epoch", "save_steps", "checkpoint.per_epoch", "checkpoint.every")
     val = c.get("val_set_size")
     if val:
         if 0 < float(val) < 1:
@@ -477,6 +476,22 @@ def convert_axolotl(raw: dict) -> Conversion:
         _axolotl_datasets(c, "test_datasets", "data.eval_sources")
     ignorable = {k: v for k, v in AXOLOTL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _per_epoch(c: _Converter, key: str, steps_key: str, dotted: str, every: str) -> None:
+    """Axolotl's evals_per_epoch / saves_per_epoch: N per pass over the data. Axolotl hands TrainingArguments the
+    ratio 1 / (N x num_epochs) of the run's steps; gapless resolves N once the data is read, to every
+    max(1, optimizer steps per epoch // N) steps (config.py)."""
+    value = c.get(key)
+    if value in (None, "", 0):
+        if key in c.raw:
+            c.note(key, "unset: not per epoch")
+    elif c.has(steps_key):
+        c.refuse(key, f"{steps_key} and {key} are both set (Axolotl refuses that too); keep one")
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        c.refuse(key, "expected a whole number of times per epoch, at least 1")
+    else:
+        c.put(key, dotted, value, f"{every} = max(1, optimizer steps per epoch // {value}), once the data is read")
 
 
 # W&B keys that only change what W&B itself uploads besides the scalars: off is fine, on is refused
