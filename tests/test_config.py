@@ -127,6 +127,8 @@ MISTAKES = [
     (["data.sources=[]"], ["config.data.sources", "at least one source"]),
     (["data.sources.0.weight=-1"], ["config.data.sources[0].weight", "must be positive"]),
     (["data.sources.0.weight=1", "data.sources.0.epochs=2"], ["config.data.sources[0]", "not both"]),
+    (["data.sources.0.format=text", "data.sources.0.drop_system_message=true"],
+     ["config.data.sources[0].drop_system_message", "format text has no system turn"]),
     (["data.sources.0.path= "], ["config.data.sources[0].path", "expected a string"]),
     (["data.sources.0.path=' '"], ["config.data.sources[0].path", "empty"]),
     (["model.path="], ["config.model.path", "empty"]),

@@ -352,3 +352,18 @@ def test_evals_and_saves_per_epoch_map_to_per_epoch_fields(files):
     with pytest.raises(ValueError, match="evals_per_epoch: 0.5: expected a whole number of times per epoch"):
         convert({**ax, "evals_per_epoch": 0.5})
     assert from_dict(RunConfig, convert({**ax, "saves_per_epoch": None}).config).checkpoint.per_epoch is None
+
+
+def test_drop_system_message_maps_for_chat_template_datasets(files):
+    """Axolotl's per-dataset drop_system_message (read by its chat_template strategy only) becomes the source's
+    drop_system_message; on another dataset type Axolotl trains with the system turn, so it is refused there."""
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    ax["datasets"][2]["drop_system_message"] = True
+    conv = convert(ax)
+    sources = from_dict(RunConfig, conv.config).data.sources
+    assert [s.drop_system_message for s in sources] == [False, False, True]
+    assert "leading system turn is dropped" in conv.format()
+    ax["datasets"][0]["drop_system_message"] = True
+    with pytest.raises(ValueError, match=r"datasets\[0\]\.drop_system_message: true: Axolotl drops the system turn "
+                                         r"for type: chat_template only"):
+        convert(ax)

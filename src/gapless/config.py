@@ -403,6 +403,10 @@ class SourceConfig:
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
+    # drop each conversation's leading system turn (its first turn when that is a system one, the format's system
+    # field included) before the chat template renders it, as Axolotl's drop_system_message; a default system
+    # prompt the template writes itself (Qwen 2.5's) stays. Conversations only, not format text
+    drop_system_message: bool = False
     # Mixing (set at most one): `epochs` = how often each document appears in one pass over the mix
     # (0.5 = a seeded half, 2 = twice); `weight` = this source's share of the documents of all weighted
     # sources, whose total count is kept. Neither = epochs 1.
@@ -415,6 +419,8 @@ class SourceConfig:
             raise ValueError(f"{where}.path: empty; give a file, a glob or a folder")
         if self.weight is not None and self.epochs is not None:
             raise ValueError(f"{where}: set weight or epochs, not both")
+        if self.drop_system_message and self.format == "text":
+            raise ValueError(f"{where}.drop_system_message: format text has no system turn to drop; unset it")
         for key in ("weight", "epochs"):
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -592,7 +592,7 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
     known = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
              "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
              "conversation", "field_human", "field_model", "field_system", "chat_template", "name",
-             "data_files", "train_on_split", "shards", "field"}
+             "data_files", "train_on_split", "shards", "field", "drop_system_message"}
     for k in d:
         if k not in known:
             bad.append((k, "no gapless equivalent for this dataset key"))
@@ -675,6 +675,12 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
             src["columns"] = {"text": d["field"]}
     else:
         bad.append(("type", "gapless reads alpaca, sharegpt, chat_template and completion datasets"))
+    if d.get("drop_system_message") and kind == "chat_template":
+        src["drop_system_message"] = True
+        notes.append("drop_system_message: each conversation's leading system turn is dropped")
+    elif d.get("drop_system_message"):  # Axolotl's other dataset types do not read it: they train with the turn
+        bad.append(("drop_system_message", "Axolotl drops the system turn for type: chat_template only; use "
+                                           "that type, or remove the key"))
     return src, notes, bad
 
 
