@@ -317,8 +317,6 @@ def test_harmless_keys_are_listed_and_their_harmful_values_refused(files):
         assert f"\n  {line}" in text, line
     with pytest.raises(ValueError, match=r"special_tokens: .*only pad_token may be set"):
         convert({**ax, "special_tokens": {"pad_token": "<pad>", "eos_token": "<|im_end|>"}})
-    with pytest.raises(ValueError, match="saves_per_epoch: 1: gapless saves every N optimizer steps: save_steps"):
-        convert({**ax, "saves_per_epoch": 1})
 
 
 def test_trl_prompt_completion_trains_the_completion(files, tmp_path):
@@ -335,3 +333,37 @@ def test_trl_prompt_completion_trains_the_completion(files, tmp_path):
     chat = convert({**raw, "dataset_name": str(files["trl_chat"]), "completion_only_loss": True})
     assert chat.config["data"]["train_on"] == "all"  # conversational data: everything, as TRL
     assert "completion_only_loss: true" in chat.format()
+
+
+def test_evals_and_saves_per_epoch_map_to_per_epoch_fields(files):
+    """Axolotl's evals_per_epoch / saves_per_epoch become train.evals_per_epoch / checkpoint.per_epoch, resolved to
+    step intervals once the data is read (test_loop); with eval_steps / save_steps beside them they are refused."""
+    ax = {k: v for k, v in yaml.safe_load(AXOLOTL.format(**files, out="x")).items()
+          if k not in ("eval_steps", "save_steps")}
+    conv = convert({**ax, "evals_per_epoch": 4, "saves_per_epoch": 2})
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.train.evals_per_epoch, cfg.train.eval_every) == (4, 0)
+    assert (cfg.checkpoint.per_epoch, cfg.checkpoint.every) == (2, "auto")
+    assert "evals_per_epoch: 4" in conv.format() and "train.eval_every = max(1, optimizer steps per epoch // 4)" \
+        in conv.format()
+    with pytest.raises(ValueError, match=r"(?s)evals_per_epoch: 4: eval_steps and evals_per_epoch are both set.*"
+                                         r"saves_per_epoch: 2: save_steps and saves_per_epoch are both set"):
+        convert({**ax, "evals_per_epoch": 4, "eval_steps": 2, "saves_per_epoch": 2, "save_steps": 2})
+    with pytest.raises(ValueError, match="evals_per_epoch: 0.5: expected a whole number of times per epoch"):
+        convert({**ax, "evals_per_epoch": 0.5})
+    assert from_dict(RunConfig, convert({**ax, "saves_per_epoch": None}).config).checkpoint.per_epoch is None
+
+
+def test_drop_system_message_maps_for_chat_template_datasets(files):
+    """Axolotl's per-dataset drop_system_message (read by its chat_template strategy only) becomes the source's
+    drop_system_message; on another dataset type Axolotl trains with the system turn, so it is refused there."""
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    ax["datasets"][2]["drop_system_message"] = True
+    conv = convert(ax)
+    sources = from_dict(RunConfig, conv.config).data.sources
+    assert [s.drop_system_message for s in sources] == [False, False, True]
+    assert "leading system turn is dropped" in conv.format()
+    ax["datasets"][0]["drop_system_message"] = True
+    with pytest.raises(ValueError, match=r"datasets\[0\]\.drop_system_message: true: Axolotl drops the system turn "
+                                         r"for type: chat_template only"):
+        convert(ax)

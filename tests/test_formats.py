@@ -240,3 +240,24 @@ def test_gzipped_json_reads_as_its_text(tmp_path):
     (tmp_path / "x.jsonl.zst").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"x.jsonl.zst: unsupported file type '.zst'.*decompress it first"):
         resolve_files(str(tmp_path / "x.jsonl.zst"))
+
+
+def test_drop_system_message_drops_the_leading_system_turn_only(tmp_path):
+    """SourceConfig.drop_system_message (Axolotl's): the first turn when it is a system one, the format's system field
+    included; a later system turn stays; plain text has none to drop (refused)."""
+    system, later = {"role": "system", "content": "S"}, {"role": "system", "content": "Now in French."}
+    user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    (tmp_path / "m.jsonl").write_text(json.dumps({"messages": [system, user, answer, later, user, answer]}) + "\n"
+                                      + json.dumps({"messages": [user, answer]}) + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "hi", "output": "yo", "system": "S"}) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "plain"}) + "\n")
+    kept = examples(SourceConfig(path=str(tmp_path / "m.jsonl")))
+    assert kept[0].messages[0] == system
+    dropped = examples(SourceConfig(path=str(tmp_path / "m.jsonl"), drop_system_message=True))
+    assert [e.messages for e in dropped] == [[user, answer, later, user, answer], [user, answer]]
+    assert examples(SourceConfig(path=str(tmp_path / "a.jsonl"), drop_system_message=True))[0].messages == \
+        [{"role": "user", "content": "hi"}, answer]
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: plain text .* sets drop_system_message"):
+        examples(SourceConfig(path=str(tmp_path / "t.jsonl"), drop_system_message=True))
+    with pytest.raises(ValueError, match="source.drop_system_message: format text has no system turn"):
+        from_dict(SourceConfig, {"path": "t.jsonl", "format": "text", "drop_system_message": True}, "source")

@@ -389,3 +389,44 @@ def test_concat_kernel_resolves_to_grouped_where_it_cannot_run():
     for cfg, strategy in ((base, "none"), (base, "ddp"), (replace(base, method="full"), "fsdp"),
                           (replace(base, lora=LoraConfig(dropout=0.05, kernel="reference")), "none")):
         assert resolve_lora_kernel(cfg, strategy) == (cfg, None)
+
+
+def test_per_epoch_settings_resolve_to_step_intervals():
+    """train.evals_per_epoch / checkpoint.per_epoch N: eval_every / every = max(1, optimizer steps per epoch // N),
+    the per-epoch fields cleared (config.yaml parses back); unset, the config is unchanged."""
+    from gapless.config import CheckpointConfig, DataConfig, ModelConfig, TrainConfig
+    from gapless.train.loop import resolve_per_epoch
+
+    cfg = RunConfig(model=ModelConfig(path="m"), data=DataConfig(sources=[]),
+                    train=TrainConfig(grad_accum=2, evals_per_epoch=4), checkpoint=CheckpointConfig(per_epoch=3))
+    resolved, note = resolve_per_epoch(cfg, batches_per_epoch=51)  # 25 optimizer steps per epoch
+    assert (resolved.train.eval_every, resolved.train.evals_per_epoch) == (6, None)  # 25 // 4
+    assert (resolved.checkpoint.every, resolved.checkpoint.per_epoch) == (8, None)  # 25 // 3
+    assert note.startswith("train.eval_every 6 (evals_per_epoch 4), checkpoint.every 8 (per_epoch 3): 25 optimizer")
+    few, _ = resolve_per_epoch(cfg, batches_per_epoch=4)  # 2 steps per epoch, 4 evaluations asked: every step
+    assert (few.train.eval_every, few.checkpoint.every) == (1, 1)
+    plain = replace(cfg, train=TrainConfig(grad_accum=2), checkpoint=CheckpointConfig())
+    assert resolve_per_epoch(plain, 51) == (plain, None)
+
+
+def test_per_epoch_run_evaluates_and_saves_at_the_resolved_interval(base, capsys):
+    """A run with evals_per_epoch and checkpoint.per_epoch evaluates and saves every max(1, steps per epoch // N)
+    steps, prints the interval and records it in config.yaml."""
+    cfg = run_config(base, "per_epoch", **{"train.steps": 4, "checkpoint.every": "auto", "checkpoint.per_epoch": 8,
+                                           "checkpoint.keep": 5, "train.evals_per_epoch": 5,
+                                           "data.eval_fraction": 0.1})
+    mix, _, _ = build_data(cfg.data, base["model"])
+    per_epoch = BatchSampler.from_config(cfg.data, mix).batches_per_epoch() // cfg.train.grad_accum
+    evals, saves = max(1, per_epoch // 5), max(1, per_epoch // 8)
+    assert (per_epoch, evals, saves) == (17, 3, 2)  # 17 // 5, 17 // 8
+    result = train(replace(cfg, progress=True))
+    assert f"train.eval_every {evals} (evals_per_epoch 5), checkpoint.every {saves} (per_epoch 8)" \
+        in capsys.readouterr().err
+    records = [json.loads(line) for line in open(result.run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]  # every 3 steps, and at the end
+    assert sorted(p.name for p in (result.run_dir / "checkpoints").glob("step-*")) == ["step-00000002",
+                                                                                      "step-00000004"]
+    ran = load_config(result.run_dir / "config.yaml")
+    assert (ran.train.eval_every, ran.train.evals_per_epoch, ran.checkpoint.every, ran.checkpoint.per_epoch) == \
+        (evals, None, saves, None)
+    shutil.rmtree(result.run_dir)

@@ -308,3 +308,20 @@ def test_eval_split_by_record_and_eval_sources(demo_tokenizer, tmp_path):
     train, evalm, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}],
                                         eval_sources=[{"path": str(other)}]))
     assert (len(train), len(evalm), s.eval_docs) == (100, 3, 3)
+
+
+def test_drop_system_message_changes_the_tokens_and_the_cache_key(demo_tokenizer, tmp_path):
+    """A source's drop_system_message removes the system turn from what is tokenized, and is part of the cache key: the
+    tokenization cached without it is not reused with it (nor the other way round)."""
+    record = {"messages": [{"role": "system", "content": "Be brief."}, *chat("hi", "yo")["messages"]]}
+    path = write_jsonl(tmp_path / "d.jsonl", [record])
+    tok = load_tokenizer(demo_tokenizer)
+    kept = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}]))
+    assert kept[2].sources[0].cache == "miss"
+    assert tok.decode(kept[0].doc(0)[0].tolist()) == "<s><|system|>Be brief.<|user|>hi<|assistant|>yo</s>"
+    dropped = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "drop_system_message": True}]))
+    assert dropped[2].sources[0].cache == "miss"
+    assert tok.decode(dropped[0].doc(0)[0].tolist()) == "<s><|user|>hi<|assistant|>yo</s>"
+    for drop in (False, True):  # each setting finds its own tokenization again
+        summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "drop_system_message": drop}]))[2]
+        assert summary.sources[0].cache == "hit", drop

@@ -144,6 +144,9 @@ class CheckpointConfig:
     # interval at which saves cost at most 1% of the training time, from the step time measured after the first
     # step and what a save blocks the loop, at least 10 (gapless.train.checkpoint_interval; metrics.jsonl records it)
     every: int | Literal["auto"] = "auto"
+    # saves per pass over the training data instead of `every` (which stays auto): resolved once the data is read to
+    # every = max(1, optimizer steps per epoch // per_epoch), printed and recorded in the run's config.yaml
+    per_epoch: int | None = None
     # keep the newest `keep` complete checkpoints, delete older ones
     keep: int = 2
     # write in a background thread; the loop waits only for the copy to host memory
@@ -153,6 +156,11 @@ class CheckpointConfig:
         if self.every != "auto" and self.every < 0:
             raise ValueError(f"{where}.every: must be auto or an integer >= 0 (0 turns checkpoints off), "
                              f"got {self.every}")
+        if self.per_epoch is not None and self.per_epoch < 1:
+            raise ValueError(f"{where}.per_epoch: must be an integer >= 1 (saves per epoch), got {self.per_epoch}")
+        if self.per_epoch is not None and self.every != "auto":
+            raise ValueError(f"{where}: every={self.every} and per_epoch={self.per_epoch} are both set; keep one "
+                             "(every: steps between saves; per_epoch: saves per pass over the data)")
         if self.keep < 1:
             raise ValueError(f"{where}.keep: must be >= 1 (the newest checkpoint is what resume needs), "
                              f"got {self.keep}")
@@ -395,6 +403,10 @@ class SourceConfig:
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
+    # drop each conversation's leading system turn (its first turn when that is a system one, the format's system
+    # field included) before the chat template renders it, as Axolotl's drop_system_message; a default system
+    # prompt the template writes itself (Qwen 2.5's) stays. Conversations only, not format text
+    drop_system_message: bool = False
     # Mixing (set at most one): `epochs` = how often each document appears in one pass over the mix
     # (0.5 = a seeded half, 2 = twice); `weight` = this source's share of the documents of all weighted
     # sources, whose total count is kept. Neither = epochs 1.
@@ -407,6 +419,8 @@ class SourceConfig:
             raise ValueError(f"{where}.path: empty; give a file, a glob or a folder")
         if self.weight is not None and self.epochs is not None:
             raise ValueError(f"{where}: set weight or epochs, not both")
+        if self.drop_system_message and self.format == "text":
+            raise ValueError(f"{where}.drop_system_message: format text has no system turn to drop; unset it")
         for key in ("weight", "epochs"):
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -528,6 +542,9 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # optimizer steps between metric reads (the only host sync of the loop)
     eval_every: int = 0  # optimizer steps between evaluations on the held-out split; 0 = only at the end
+    # evaluations per pass over the training data instead of eval_every: resolved once the data is read to
+    # eval_every = max(1, optimizer steps per epoch // evals_per_epoch), printed and recorded in the run's config.yaml
+    evals_per_epoch: int | None = None
     seed: int = 0  # the model's initialisation of adapters and dropout masks
     # also send every metric record, as it is written to metrics.jsonl, to these (rank 0): tensorboard (event files
     # in RUN/tensorboard; pip install 'gapless[tensorboard]'), wandb (a W&B run as train.wandb says; pip install
@@ -546,6 +563,13 @@ class TrainConfig:
                 raise ValueError(f"{where}.{key}: must be >= 1, got {getattr(self, key)}")
         if self.eval_every < 0:
             raise ValueError(f"{where}.eval_every: must be >= 0, got {self.eval_every}")
+        if self.evals_per_epoch is not None and self.evals_per_epoch < 1:
+            raise ValueError(f"{where}.evals_per_epoch: must be an integer >= 1 (evaluations per epoch), "
+                             f"got {self.evals_per_epoch}")
+        if self.evals_per_epoch is not None and self.eval_every:
+            raise ValueError(f"{where}: eval_every={self.eval_every} and evals_per_epoch={self.evals_per_epoch} are "
+                             "both set; keep one (eval_every: steps between evaluations; evals_per_epoch: "
+                             "evaluations per pass over the data)")
         twice = sorted({s for s in self.report_to if self.report_to.count(s) > 1})
         if twice:
             raise ValueError(f"{where}.report_to: {twice} listed more than once; list each sink once")
@@ -593,9 +617,10 @@ class RunConfig:
     progress: bool = True  # a progress bar on a terminal, log lines otherwise
 
     def validate(self, where: str = "config") -> None:
-        if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_sources):
-            raise ValueError(f"{where}.train.eval_every: {self.train.eval_every} asks for evaluation but there "
-                             "is no held-out data; set data.eval_fraction (e.g. 0.02) or data.eval_sources")
+        for key in ("eval_every", "evals_per_epoch"):
+            if getattr(self.train, key) and not (self.data.eval_fraction or self.data.eval_sources):
+                raise ValueError(f"{where}.train.{key}: {getattr(self.train, key)} asks for evaluation but there "
+                                 "is no held-out data; set data.eval_fraction (e.g. 0.02) or data.eval_sources")
         if self.train.steps and self.schedule.warmup_steps >= self.train.steps:  # (epochs: known once data is read)
             raise ValueError(f"{where}.schedule.warmup_steps: {self.schedule.warmup_steps} warmup steps leave nothing "
                              f"of a {self.train.steps}-step run (train.steps); use fewer than {self.train.steps}")

@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gapless.config import ALL_LINEAR, RunConfig
+from gapless.data.chat_templates import TEMPLATES
 
-# ChatML, as Axolotl's `conversation: chatml` / `chat_template: chatml` renders it; gapless takes the Jinja.
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # A Hugging Face hub id (`meta-llama/Llama-3.2-1B`): one slash, no leading `/`, `.` or `~`.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -151,9 +149,6 @@ class _Converter:
 
 # what to write instead of a key gapless cannot honour, where there is something
 REFUSED_HINTS = {
-    "evals_per_epoch": "gapless evaluates every N optimizer steps: eval_steps: N (train.eval_every)",
-    "saves_per_epoch": "gapless saves every N optimizer steps: save_steps: N (checkpoint.every; unset: auto, "
-                       "at most 1% of the training time)",
     "fsdp": "gapless shards with FSDP2 under torchrun (gapless train --nproc N; parallel.strategy), not from this "
             "key: remove it",
     "fsdp_config": "gapless shards with FSDP2 under torchrun (parallel.strategy, parallel.reshard_after_forward): "
@@ -419,6 +414,8 @@ def convert_axolotl(raw: dict) -> Conversion:
         _steps(c, "save_steps", "checkpoint.every")
     if c.has("eval_steps"):
         _steps(c, "eval_steps", "train.eval_every")
+    _per_epoch(c, "evals_per_epoch", "eval_steps", "train.evals_per_epoch", "train.eval_every")
+    _per_epoch(c, "saves_per_epoch", "save_steps", "checkpoint.per_epoch", "checkpoint.every")
     val = c.get("val_set_size")
     if val:
         if 0 < float(val) < 1:
@@ -481,6 +478,22 @@ def convert_axolotl(raw: dict) -> Conversion:
     return c.finish(ignorable)
 
 
+def _per_epoch(c: _Converter, key: str, steps_key: str, dotted: str, every: str) -> None:
+    """Axolotl's evals_per_epoch / saves_per_epoch: N per pass over the data. Axolotl hands TrainingArguments the
+    ratio 1 / (N x num_epochs) of the run's steps; gapless resolves N once the data is read, to every
+    max(1, optimizer steps per epoch // N) steps (config.py)."""
+    value = c.get(key)
+    if value in (None, "", 0):
+        if key in c.raw:
+            c.note(key, "unset: not per epoch")
+    elif c.has(steps_key):
+        c.refuse(key, f"{steps_key} and {key} are both set (Axolotl refuses that too); keep one")
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        c.refuse(key, "expected a whole number of times per epoch, at least 1")
+    else:
+        c.put(key, dotted, value, f"{every} = max(1, optimizer steps per epoch // {value}), once the data is read")
+
+
 # W&B keys that only change what W&B itself uploads besides the scalars: off is fine, on is refused
 WANDB_EXTRAS = {"wandb_watch": "gradient and parameter histograms", "wandb_log_model": "model files as artifacts"}
 
@@ -536,8 +549,8 @@ def _wandb(c: _Converter) -> None:
 def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
     if value in ("tokenizer_default", "tokenizer_default_fallback_chatml"):
         c.note(key, "the tokenizer's chat template (data.chat_template unset)")
-    elif value == "chatml":
-        c.put(key, dotted, CHATML, "ChatML as Jinja")
+    elif value in TEMPLATES:  # Axolotl's named templates that gapless ships, as Jinja (gapless.data.chat_templates)
+        c.put(key, dotted, TEMPLATES[value], f"Axolotl's {value} template as Jinja")
     elif value == "jinja":
         tpl = c.get("chat_template_jinja")
         if tpl:
@@ -546,8 +559,9 @@ def _chat_template(c: _Converter, key: str, value: Any, dotted: str) -> None:
         else:
             c.refuse(key, "jinja without chat_template_jinja")
     else:
-        c.refuse(key, f"gapless takes the tokenizer's template, chatml, or Jinja (data.chat_template); "
-                      f"{value!r} is a template name it does not ship")
+        c.refuse(key, f"{value!r} is a template name gapless does not ship; it ships {', '.join(TEMPLATES)}, "
+                      "takes the tokenizer's own (tokenizer_default) or Jinja (chat_template: jinja with "
+                      "chat_template_jinja; data.chat_template)")
 
 
 def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
@@ -578,7 +592,7 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
     known = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
              "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
              "conversation", "field_human", "field_model", "field_system", "chat_template", "name",
-             "data_files", "train_on_split", "shards", "field"}
+             "data_files", "train_on_split", "shards", "field", "drop_system_message"}
     for k in d:
         if k not in known:
             bad.append((k, "no gapless equivalent for this dataset key"))
@@ -661,6 +675,12 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
             src["columns"] = {"text": d["field"]}
     else:
         bad.append(("type", "gapless reads alpaca, sharegpt, chat_template and completion datasets"))
+    if d.get("drop_system_message") and kind == "chat_template":
+        src["drop_system_message"] = True
+        notes.append("drop_system_message: each conversation's leading system turn is dropped")
+    elif d.get("drop_system_message"):  # Axolotl's other dataset types do not read it: they train with the turn
+        bad.append(("drop_system_message", "Axolotl drops the system turn for type: chat_template only; use "
+                                           "that type, or remove the key"))
     return src, notes, bad
 
 

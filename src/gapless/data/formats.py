@@ -293,10 +293,22 @@ def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[
                 continue
             if fmt == "auto":
                 fmt = detect_format(row, src.columns, where)
+                if fmt == "text" and src.drop_system_message:
+                    raise ValueError(f"{where}: plain text (format text), which has no system turn, but the source "
+                                     f"{src.path} sets drop_system_message; unset it or give this file its own source")
             try:
-                yield _bounded(to_example(row, fmt, src.columns, roles, where))
+                example = to_example(row, fmt, src.columns, roles, where)
+                yield _bounded(without_leading_system(example) if src.drop_system_message else example)
             except RecordError as e:
                 yield e
+
+
+def without_leading_system(ex: Example) -> Example:
+    """The example without its first turn when that is a system turn (SourceConfig.drop_system_message); a system
+    turn later in the conversation stays, as under Axolotl's drop_system_message."""
+    if ex.messages and ex.messages[0]["role"] == "system":
+        ex.messages = ex.messages[1:]
+    return ex
 
 
 def _bounded(ex: Example) -> Example:

@@ -73,6 +73,7 @@ def load_source(src: SourceConfig, cfg: DataConfig, tokenizing: Tokenizing, tok_
     key = cache_key({
         "files": [hashes(f) for f in files],
         "format": src.format, "columns": src.columns, "roles": {**DEFAULT_ROLES, **src.roles},
+        "drop_system_message": src.drop_system_message,
         "tokenizer": tok_fp, "template": tokenizing.chat_template, "max_seq_len": cfg.max_seq_len,
         "train_on": cfg.train_on, "overlong": cfg.overlong, "on_error": cfg.on_error, "versions": _library_versions(),
     })

@@ -108,6 +108,28 @@ def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str |
             f"lora.kernel: grouped, not concat ({why}; the same sums, one A matmul per group)")
 
 
+def resolve_per_epoch(cfg: RunConfig, batches_per_epoch: int) -> tuple[RunConfig, str | None]:
+    """cfg with train.evals_per_epoch and checkpoint.per_epoch (N per pass over the training data) replaced by the
+    step intervals they come to, train.eval_every and checkpoint.every = max(1, optimizer steps per epoch // N), and a
+    line saying so (None where neither is set). The steps per epoch are known once the data is read."""
+    train, ckpt = cfg.train, cfg.checkpoint
+    if train.evals_per_epoch is None and ckpt.per_epoch is None:
+        return cfg, None
+    steps = batches_per_epoch // train.grad_accum
+    said = []
+    if train.evals_per_epoch is not None:
+        every = max(1, steps // train.evals_per_epoch)
+        train = replace(train, eval_every=every, evals_per_epoch=None)
+        said.append(f"train.eval_every {every} (evals_per_epoch {cfg.train.evals_per_epoch})")
+    if ckpt.per_epoch is not None:
+        every = max(1, steps // ckpt.per_epoch)
+        ckpt = replace(ckpt, every=every, per_epoch=None)
+        said.append(f"checkpoint.every {every} (per_epoch {cfg.checkpoint.per_epoch})")
+    return (replace(cfg, train=train, checkpoint=ckpt),
+            f"{', '.join(said)}: {steps} optimizer steps per epoch ({batches_per_epoch} batches, grad_accum "
+            f"{cfg.train.grad_accum}) // N, at least 1")
+
+
 @torch.no_grad()
 def evaluate(model, batches: list[Batch], device: torch.device) -> dict:
     """Mean loss over all trained tokens of the eval batches (one sync at the end)."""
@@ -286,6 +308,11 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         sampler = ShardedSampler.of(sampler, parallel.rank, parallel.world_size)
     eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
+    cfg, per_epoch_note = resolve_per_epoch(cfg, sampler.batches_per_epoch())
+    if per_epoch_note:  # the intervals that run, in config.yaml as the loop reads them
+        progress.message(per_epoch_note)
+        if parallel.is_main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     startup.mark("data")
 
     optimizer = build_optimizer(params, cfg.optim, device.type)

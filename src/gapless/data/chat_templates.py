@@ -1,0 +1,101 @@
+"""Chat templates by name: the Jinja of the names Axolotl's `chat_template: NAME` takes, written to render the same
+text as Axolotl's own templates (axolotl/utils/chat_templates/templates/NAME.jinja) for what gapless renders: turns
+whose content is a string (gapless.data.formats joins OpenAI content parts into one string before any template
+sees them), OpenAI-style `tool_calls` and `tools` (qwen_25). tests/test_chat_templates.py checks the text.
+
+A config names one through the Axolotl converter (gapless.convert); data.chat_template itself holds the Jinja.
+"""
+from __future__ import annotations
+
+# ChatML: every turn `<|im_start|>ROLE\nCONTENT<|im_end|>\n`, untrimmed; no system prompt of its own
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Llama 3 (Meta-Llama-3-Instruct's format, without Llama 3.1's "Cutting Knowledge Date" system header): the BOS
+# before the first turn (none when there is no turn), each turn's content trimmed, every turn ends with <|eot_id|>
+LLAMA3 = ("{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+          "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+          "{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+# Qwen 2.5 (Qwen2.5-Instruct's format): ChatML with a default system prompt when the conversation has none, the
+# tools listed in the system turn, tool calls as <tool_call> JSON, consecutive tool results in one user turn
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWEN_25 = (
+    "{%- set first = messages[0] %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{{- first['content'] if first['role'] == 'system' else '" + QWEN_DEFAULT_SYSTEM + "' }}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif first['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + first['content'] + '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) or (m.role == 'assistant' and not m.tool_calls) %}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if m.content %}{{- '\n' + m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' + call.arguments | tojson + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+# Gemma (1 and 2): the BOS, no system turn, user and assistant alternating from a user turn, the assistant written
+# `model`, content trimmed, every turn ends with `<end_of_turn>\n`
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + m['content'] | trim"
+    " + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+# Gemma 3: Gemma's turns, with a leading system turn's text (untrimmed) and a blank line put at the start of the
+# first user turn
+GEMMA3 = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['role'] == 'system' %}"
+    "{% set turns = messages[1:] if system else messages %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if loop.first and system %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+# Mistral v1 (Mistral-7B-Instruct-v0.1's format): the BOS, user turns ` [INST] ... [/INST]`, assistant turns
+# ` ...` and the EOS; user and assistant alternate from a user turn; no system or tool turns
+MISTRAL_V1 = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ ' [INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+    "{% endfor %}")
+
+# Axolotl's name -> the Jinja
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen_25": QWEN_25, "gemma": GEMMA, "gemma3": GEMMA3,
+             "mistral_v1": MISTRAL_V1}
