@@ -30,12 +30,12 @@ from gapless.config import read_yaml
 LOCK = ".lock"
 # Dotted config fields a resume may change: how long the run goes on, how often it logs, evaluates and saves, where
 # the metrics also go, and where or how fast it runs (attention backend and compile give the same numbers within
-# rounding). Everything else
-# would mix two runs in one set of weights: the data, model, method, rank, alpha, optimizer and batch settings.
+# rounding). Everything else would mix two runs in one set of weights: the data, model, method, rank, alpha,
+# optimizer and batch settings.
 RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every", "train.evals_per_epoch",
-             "checkpoint.every", "checkpoint.per_epoch", "checkpoint.keep", "checkpoint.async_write", "progress", "resume", "output_dir", "model.device",
-             "model.attn_backend", "model.compile", "data.num_workers", "data.cache_dir", "train.report_to",
-             "train.wandb")
+             "checkpoint.every", "checkpoint.per_epoch", "checkpoint.keep", "checkpoint.async_write", "progress",
+             "resume", "output_dir", "model.device", "model.attn_backend", "model.compile", "data.num_workers",
+             "data.cache_dir", "train.report_to", "train.wandb")
 # values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat runs grouped's
 # sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
 # default recorded grouped
