@@ -8,8 +8,10 @@ starts (so the prompt is tokenized as at inference, and no token holds both prom
 text), with offsets. A token is trained when it starts inside a span, up to the span's last special
 token (the end-of-turn: `<|eot_id|>` for Llama 3, `<|im_end|>` for ChatML): the end-of-turn token
 is trained, the separator a template writes after it (ChatML's newline) is not.
-This needs a template whose rendering of a prefix of the conversation is a prefix of the full
-rendering; one that is not (e.g. one that drops earlier turns' reasoning) is reported, not guessed.
+This needs a template whose rendering of a prefix of the conversation, with or without the generation prompt, is a
+prefix of the full rendering; a record for which it is not (Qwen3's template drops earlier turns' reasoning, Mistral
+v0.3's writes the system message into the last user turn only) is reported, not guessed: a RecordError of reason
+template_not_prefix, which data.on_error raises or skips and counts.
 
 The pipeline that reads, tokenizes, caches and mixes a run's sources is gapless.data.pipeline.
 """
@@ -34,6 +36,7 @@ from gapless.data.formats import Example, RecordError
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
+NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -166,16 +169,36 @@ class Encoder:
         full = self._render(ex, messages, tools, False)
         if self.train_on == "all":
             return full, None
-        spans = []
+        spans, unlocated = [], []
         for i in turns[-1:] if self.train_on == "last_assistant" else turns:
-            start = len(self._render(ex, messages[:i], tools, True))
-            upto = full if i == len(messages) - 1 else self._render(ex, messages[: i + 1], tools, False)
-            if not (full.startswith(upto) and start <= len(upto) and full[:start] == upto[:start]):
-                raise ValueError(f"{ex.where}: the chat template does not render messages[:{i + 1}] as a prefix "
-                                 "of the whole conversation, so its assistant turns cannot be located; use a "
-                                 "template whose rendering does not depend on later turns")
-            spans.append((start, len(upto)))
+            span = self._locate(ex, messages, tools, full, i)
+            if isinstance(span, str):
+                unlocated.append((i, span))
+            else:
+                spans.append(span)
+        if unlocated:
+            i, what = unlocated[0]
+            fix = ("set train_on: last_assistant to train the last answer only (this template renders it as a "
+                   "prefix), or set data.chat_template" if unlocated[-1][0] != turns[-1] else "set data.chat_template")
+            raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
+                f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
+                f"so assistant turn messages[{i}] cannot be located (the template rewrites a conversation's start "
+                "as it goes on: Mistral v0.3's moves the system message into the last user turn, Qwen3's drops "
+                f"earlier turns' reasoning); {fix} to a template that renders each turn the same whatever follows"))
         return full, spans
+
+    def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
+                i: int) -> tuple[int, int] | str:
+        """The character span of assistant turn i in `full`: from the end of its prompt (messages[:i] and the
+        generation prompt) to the end of messages[:i + 1]; where `full` does not start with either rendering,
+        which one."""
+        prompt = self._render(ex, messages[:i], tools, True)
+        if not full.startswith(prompt):
+            return f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)"
+        upto = full if i == len(messages) - 1 else self._render(ex, messages[: i + 1], tools, False)
+        if len(upto) < len(prompt) or not full.startswith(upto):
+            return f"messages[:{i + 1}]"
+        return len(prompt), len(upto)
 
     def _render(self, ex: Example, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:
