@@ -40,6 +40,7 @@ ANSWERS = {
     "qwen25": lambda content: content + "<|im_end|>",
     "mistral": lambda content: " " + content.strip() + "</s>",  # the space after [/INST] is the answer's
     "gemma3": lambda content: content.strip() + "<end_of_turn>",
+    "phi35": lambda content: content + "<|end|>",  # not the newline nor the eos_token written after the last turn
 }
 
 

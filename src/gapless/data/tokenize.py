@@ -7,7 +7,9 @@ produces for that turn at inference. The text is tokenized in pieces cut where e
 starts (so the prompt is tokenized as at inference, and no token holds both prompt and answer
 text), with offsets. A token is trained when it starts inside a span, up to the span's last special
 token (the end-of-turn: `<|eot_id|>` for Llama 3, `<|im_end|>` for ChatML): the end-of-turn token
-is trained, the separator a template writes after it (ChatML's newline) is not.
+is trained, the separator a template writes after it (ChatML's newline) is not, nor text it writes only after a
+conversation's last turn (Phi-3's eos_token): a turn ends where the renderings of the conversation ending there and
+going on (the generation prompt after it) part.
 This needs a template whose rendering of a prefix of the conversation, with or without the generation prompt, is a
 prefix of the full rendering; a record for which it is not (Qwen3's template drops earlier turns' reasoning, Mistral
 v0.3's writes the system message into the last user turn only) is reported, not guessed: a RecordError of reason
@@ -21,6 +23,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -122,6 +125,10 @@ class Encoder:
         self.special = np.zeros(len(tokenizer), bool)  # token id -> is a special (added) token
         self.special[[i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i < len(tokenizer)]] = True
         self.special[[i for i in tokenizer.all_special_ids if i is not None and i < len(tokenizer)]] = True
+        texts = sorted(set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
+                                                           if t.special}, key=len, reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, texts)) or "(?!)")  # (?!) matches nothing
+        self.longest_special = max(map(len, texts), default=0)
         template = chat_template or ""
         self.renders_tools = "tools" in template
         self.renders_tool_calls = "tool_calls" in template
@@ -190,15 +197,34 @@ class Encoder:
     def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
                 i: int) -> tuple[int, int] | str:
         """The character span of assistant turn i in `full`: from the end of its prompt (messages[:i] and the
-        generation prompt) to the end of messages[:i + 1]; where `full` does not start with either rendering,
-        which one."""
+        generation prompt) to the end of messages[:i + 1], less any text the template writes only at a
+        conversation's end (Phi-3's eos_token after the last turn: later turns follow a turn without it, and the
+        model ends its answer at <|end|>); where `full` does not start with either rendering, which one."""
         prompt = self._render(ex, messages[:i], tools, True)
         if not full.startswith(prompt):
             return f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)"
-        upto = full if i == len(messages) - 1 else self._render(ex, messages[: i + 1], tools, False)
-        if len(upto) < len(prompt) or not full.startswith(upto):
+        last = i == len(messages) - 1
+        upto = full if last else self._render(ex, messages[: i + 1], tools, False)
+        end = len(upto)
+        if last or not full.startswith(upto):
+            try:  # the same conversation going on: the text it shares with `upto` is the turn's
+                going_on = self.render(messages[: i + 1], tools, True)
+            except Exception:  # a template that refuses a generation prompt after an answer: nothing is end-only
+                going_on = upto
+            if not going_on.startswith(upto):
+                end = self._shared_prefix(upto, going_on)
+        if end < len(prompt) or not full.startswith(upto[:end]):
             return f"messages[:{i + 1}]"
-        return len(prompt), len(upto)
+        return len(prompt), end
+
+    def _shared_prefix(self, a: str, b: str) -> int:
+        """The length of the longest common prefix of a and b, moved back to the start of a special token's text
+        it would end inside (Phi-3's end-only "<|endoftext|>" and its generation prompt "<|assistant|>" share "<|")."""
+        n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for m in self.special_text.finditer(a, max(n - self.longest_special, 0), n + self.longest_special):
+            if m.start() < n < m.end():
+                return m.start()
+        return n
 
     def _render(self, ex: Example, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:
