@@ -268,3 +268,29 @@ def test_a_folder_without_a_template_names_data_chat_template(shared, folders, t
             build_data(config(tmp_path, folder, path, on_error=on_error))
     mix, _, _ = build_data(config(tmp_path, folder, path, chat_template=chat_templates.QWEN25))
     assert len(mix) == 2
+
+
+@pytest.mark.parametrize("name", ["llama32", "qwen25"])
+def test_openai_tool_calls_with_json_string_arguments_train_the_arguments_as_json(shared, tokenizers, name):
+    """OpenAI's tool_calls carry `arguments` as a JSON string; Llama 3.x's and Qwen2.5's templates write them with
+    tojson, which made the string a quoted one ("parameters": "{\\"a\\": 1}"), trained as the call. Given to the
+    template as the object the string holds, the document equals the one of the same call in glaive's form."""
+    tok = tokenizers[name]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    glaive = [ex for ex in read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl")))
+              if any(m.get("is_tool_call") for m in ex.messages)][:12]
+    openai = []
+    for ex in glaive:
+        messages = []
+        for m in ex.messages:
+            if m.get("is_tool_call"):
+                call = json.loads(m["content"])
+                function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+                m = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": function}]}
+            messages.append(m)
+        openai.append(type(ex)(ex.where, messages=messages, tools=ex.tools))
+    a, b = enc.encode_chunk(glaive), enc.encode_chunk(openai)
+    assert not a.errors and not b.errors and len(a.ids) == len(b.ids) == 12
+    for ex, ids, mask, ids2, mask2 in zip(glaive, a.ids, a.mask, b.ids, b.mask):
+        assert trained_runs(tok, ids2, mask2) == trained_runs(tok, ids, mask), ex.where
+        assert ids2.tolist() == ids.tolist() and mask2.tolist() == mask.tolist(), ex.where

@@ -116,6 +116,20 @@ def _name_and_arguments(call) -> dict:
     return {"name": function["name"], "arguments": arguments}
 
 
+def _arguments_parsed(call):
+    """An OpenAI-style tool call whose `arguments` is a JSON string, with the object the string holds: templates
+    write arguments with tojson (transformers' chat templates take them as a dict), which quotes a string
+    ("parameters": "{\\"a\\": 1}" under Llama 3.1's, Qwen2.5's). Any other call as it is."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        function = {**function, "arguments": json.loads(function["arguments"])}
+    except ValueError:
+        return call  # kept as the string it is
+    return {**call, "function": function} if "function" in call else function
+
+
 class Encoder:
     """Example -> documents of (token ids, loss mask) under one tokenizer, template and settings."""
 
@@ -138,14 +152,16 @@ class Encoder:
                                             add_generation_prompt=add_generation_prompt)
 
     def _for_template(self, m: dict) -> dict:
-        """A tool call as the template expects it: OpenAI-style `tool_calls` when it renders those, else the turn's
-        text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
+        """A tool call as the template expects it: OpenAI-style `tool_calls` (arguments as an object) when it renders
+        those, else the turn's text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
         empty answer, so its calls become its content, one JSON object {"name", "arguments"} a line (the form of
         the is_tool_call turns of ShareGPT/glaive data), after any text it has."""
         if m.get("tool_calls") and not self.renders_tool_calls:
             calls = [json.dumps(_name_and_arguments(call), ensure_ascii=False) for call in m["tool_calls"]]
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
+        if m.get("tool_calls") and self.renders_tool_calls and isinstance(m["tool_calls"], list):
+            return {**m, "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
         if not (m.get("is_tool_call") and self.renders_tool_calls and "tool_calls" not in m):
             return m
         try:
