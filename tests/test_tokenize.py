@@ -230,12 +230,22 @@ def test_a_template_without_history_independence_is_refused(demo_tokenizer, tmp_
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"},
                                                             {"role": "assistant", "content": "b"},
                                                             {"role": "user", "content": "c"},
-                                                            {"role": "assistant", "content": "d"}]}])
+                                                            {"role": "assistant", "content": "d"}]},
+                                              chat("e", "f")])
     # renders only the last assistant turn's content, so the first turn's text is not a prefix of the whole
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' or loop.last %}"
                 "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    with pytest.raises(ValueError, match=r"d.jsonl:1: the chat template does not render messages\[:2\] as a prefix"):
+    with pytest.raises(ValueError, match=r"d.jsonl:1: messages: the chat template renders messages\[:2\] as text "
+                                         r"that does not start the whole conversation's rendering, so assistant turn "
+                                         r"messages\[1\] cannot be located .* set train_on: last_assistant"):
         build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], chat_template=template))
+    # a skip under on_error: skip; the last answer alone is located
+    _, _, summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], chat_template=template,
+                                      on_error="skip"))
+    assert summary.dropped == {"template_not_prefix": 1} and summary.kept == 1
+    mix, _, summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], chat_template=template,
+                                        train_on="last_assistant"))
+    assert summary.dropped == {} and trained_runs(load_tokenizer(demo_tokenizer), *mix.doc(0)) == ["d"]
 
 
 def test_a_tokenizer_without_a_chat_template_needs_one_in_the_config(demo_tokenizer, tmp_path):
@@ -274,7 +284,7 @@ def test_the_cache_second_run_does_not_tokenize_and_a_change_invalidates(demo_to
     write_jsonl(path, [chat("hi", "yo"), chat("a", "c")])  # changed content
     assert build_data(cfg)[2].sources[0].cache == "miss"
     assert build_data(cfg)[2].sources[0].cache == "hit"
-    for change in [{"max_seq_len": 64}, {"train_on": "all"}, {"chat_template": DEMO_TEMPLATE + " "},
+    for change in [{"max_seq_len": 64}, {"train_on": "all"}, {"chat_template": DEMO_TEMPLATE + "{# changed #}"},
                    {"on_error": "skip"}]:
         summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], **change))[2]
         assert summary.sources[0].cache == "miss", change

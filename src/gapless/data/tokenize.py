@@ -7,9 +7,13 @@ produces for that turn at inference. The text is tokenized in pieces cut where e
 starts (so the prompt is tokenized as at inference, and no token holds both prompt and answer
 text), with offsets. A token is trained when it starts inside a span, up to the span's last special
 token (the end-of-turn: `<|eot_id|>` for Llama 3, `<|im_end|>` for ChatML): the end-of-turn token
-is trained, the separator a template writes after it (ChatML's newline) is not.
-This needs a template whose rendering of a prefix of the conversation is a prefix of the full
-rendering; one that is not (e.g. one that drops earlier turns' reasoning) is reported, not guessed.
+is trained, the separator a template writes after it (ChatML's newline) is not, nor text it writes only after a
+conversation's last turn (Phi-3's eos_token): a turn ends where the renderings of the conversation ending there and
+going on (the generation prompt after it) part.
+This needs a template whose rendering of a prefix of the conversation, with or without the generation prompt, is a
+prefix of the full rendering; a record for which it is not (Qwen3's template drops earlier turns' reasoning, Mistral
+v0.3's writes the system message into the last user turn only) is reported, not guessed: a RecordError of reason
+template_not_prefix, which data.on_error raises or skips and counts.
 
 The pipeline that reads, tokenizes, caches and mixes a run's sources is gapless.data.pipeline.
 """
@@ -19,6 +23,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -34,6 +39,7 @@ from gapless.data.formats import Example, RecordError
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
+NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -110,6 +116,20 @@ def _name_and_arguments(call) -> dict:
     return {"name": function["name"], "arguments": arguments}
 
 
+def _arguments_parsed(call):
+    """An OpenAI-style tool call whose `arguments` is a JSON string, with the object the string holds: templates
+    write arguments with tojson (transformers' chat templates take them as a dict), which quotes a string
+    ("parameters": "{\\"a\\": 1}" under Llama 3.1's, Qwen2.5's). Any other call as it is."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        function = {**function, "arguments": json.loads(function["arguments"])}
+    except ValueError:
+        return call  # kept as the string it is
+    return {**call, "function": function} if "function" in call else function
+
+
 class Encoder:
     """Example -> documents of (token ids, loss mask) under one tokenizer, template and settings."""
 
@@ -119,6 +139,10 @@ class Encoder:
         self.special = np.zeros(len(tokenizer), bool)  # token id -> is a special (added) token
         self.special[[i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i < len(tokenizer)]] = True
         self.special[[i for i in tokenizer.all_special_ids if i is not None and i < len(tokenizer)]] = True
+        texts = sorted(set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
+                                                           if t.special}, key=len, reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, texts)) or "(?!)")  # (?!) matches nothing
+        self.longest_special = max(map(len, texts), default=0)
         template = chat_template or ""
         self.renders_tools = "tools" in template
         self.renders_tool_calls = "tool_calls" in template
@@ -128,14 +152,16 @@ class Encoder:
                                             add_generation_prompt=add_generation_prompt)
 
     def _for_template(self, m: dict) -> dict:
-        """A tool call as the template expects it: OpenAI-style `tool_calls` when it renders those, else the turn's
-        text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
+        """A tool call as the template expects it: OpenAI-style `tool_calls` (arguments as an object) when it renders
+        those, else the turn's text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
         empty answer, so its calls become its content, one JSON object {"name", "arguments"} a line (the form of
         the is_tool_call turns of ShareGPT/glaive data), after any text it has."""
         if m.get("tool_calls") and not self.renders_tool_calls:
             calls = [json.dumps(_name_and_arguments(call), ensure_ascii=False) for call in m["tool_calls"]]
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
+        if m.get("tool_calls") and self.renders_tool_calls and isinstance(m["tool_calls"], list):
+            return {**m, "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
         if not (m.get("is_tool_call") and self.renders_tool_calls and "tool_calls" not in m):
             return m
         try:
@@ -166,16 +192,55 @@ class Encoder:
         full = self._render(ex, messages, tools, False)
         if self.train_on == "all":
             return full, None
-        spans = []
+        spans, unlocated = [], []
         for i in turns[-1:] if self.train_on == "last_assistant" else turns:
-            start = len(self._render(ex, messages[:i], tools, True))
-            upto = full if i == len(messages) - 1 else self._render(ex, messages[: i + 1], tools, False)
-            if not (full.startswith(upto) and start <= len(upto) and full[:start] == upto[:start]):
-                raise ValueError(f"{ex.where}: the chat template does not render messages[:{i + 1}] as a prefix "
-                                 "of the whole conversation, so its assistant turns cannot be located; use a "
-                                 "template whose rendering does not depend on later turns")
-            spans.append((start, len(upto)))
+            span = self._locate(ex, messages, tools, full, i)
+            if isinstance(span, str):
+                unlocated.append((i, span))
+            else:
+                spans.append(span)
+        if unlocated:
+            i, what = unlocated[0]
+            fix = ("set train_on: last_assistant to train the last answer only (this template renders it as a "
+                   "prefix), or set data.chat_template" if unlocated[-1][0] != turns[-1] else "set data.chat_template")
+            raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
+                f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
+                f"so assistant turn messages[{i}] cannot be located (the template rewrites a conversation's start "
+                "as it goes on: Mistral v0.3's moves the system message into the last user turn, Qwen3's drops "
+                f"earlier turns' reasoning); {fix} to a template that renders each turn the same whatever follows"))
         return full, spans
+
+    def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
+                i: int) -> tuple[int, int] | str:
+        """The character span of assistant turn i in `full`: from the end of its prompt (messages[:i] and the
+        generation prompt) to the end of messages[:i + 1], less any text the template writes only at a
+        conversation's end (Phi-3's eos_token after the last turn: later turns follow a turn without it, and the
+        model ends its answer at <|end|>); where `full` does not start with either rendering, which one."""
+        prompt = self._render(ex, messages[:i], tools, True)
+        if not full.startswith(prompt):
+            return f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)"
+        last = i == len(messages) - 1
+        upto = full if last else self._render(ex, messages[: i + 1], tools, False)
+        end = len(upto)
+        if last or not full.startswith(upto):
+            try:  # the same conversation going on: the text it shares with `upto` is the turn's
+                going_on = self.render(messages[: i + 1], tools, True)
+            except Exception:  # a template that refuses a generation prompt after an answer: nothing is end-only
+                going_on = upto
+            if not going_on.startswith(upto):
+                end = self._shared_prefix(upto, going_on)
+        if end < len(prompt) or not full.startswith(upto[:end]):
+            return f"messages[:{i + 1}]"
+        return len(prompt), end
+
+    def _shared_prefix(self, a: str, b: str) -> int:
+        """The length of the longest common prefix of a and b, moved back to the start of a special token's text
+        it would end inside (Phi-3's end-only "<|endoftext|>" and its generation prompt "<|assistant|>" share "<|")."""
+        n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for m in self.special_text.finditer(a, max(n - self.longest_special, 0), n + self.longest_special):
+            if m.start() < n < m.end():
+                return m.start()
+        return n
 
     def _render(self, ex: Example, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:

@@ -1,0 +1,296 @@
+"""Loss masks under the chat templates that instruct models ship (tests/chat_templates.py, verbatim), on the shared
+messages/ records: the trained tokens are exactly each answer and its end-of-turn token, the documents are the
+tokenizer's own apply_chat_template ids, and a record a template refuses or rewrites is a counted skip naming
+file:line, never a crash of the run nor a silently shifted mask.
+
+No Llama 3.2, Mistral, Gemma or Phi tokenizer is on disk: each folder is the shared Llama 3 (or Qwen2) tokenizer,
+with the model's turn markers added as special tokens where it lacks them, and the template in tokenizer_config.json.
+"""
+import json
+import shutil
+import unicodedata
+
+import numpy as np
+import pytest
+
+import chat_templates
+from gapless.config import DataConfig, SourceConfig, from_dict
+from gapless.data.formats import read_source
+from gapless.data.pipeline import build_data
+from gapless.data.tokenize import Encoder, load_tokenizer, tokenizer_template
+
+MISTRAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+GEMMA_TOKENS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+PHI_TOKENS = ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# name -> (shared tokenizer, template, special tokens to add, tokenizer_config.json settings). Llama 3's tokenizer
+# takes 4 s to load on the CPU box, Qwen2's 1 s: the templates of other families use Qwen2's.
+FOLDERS = {
+    "llama32": ("llama3", chat_templates.LLAMA32, [], {}),
+    "qwen25": ("qwen2", chat_templates.QWEN25, [], {"eos_token": "<|im_end|>"}),
+    "qwen3": ("qwen2", chat_templates.QWEN3, [], {"eos_token": "<|im_end|>"}),
+    "mistral": ("qwen2", chat_templates.MISTRAL, MISTRAL_TOKENS, {"bos_token": "<s>", "eos_token": "</s>"}),
+    "gemma2": ("qwen2", chat_templates.GEMMA2, GEMMA_TOKENS, {"bos_token": "<bos>", "eos_token": "<eos>"}),
+    "gemma3": ("qwen2", chat_templates.GEMMA3, GEMMA_TOKENS, {"bos_token": "<bos>", "eos_token": "<eos>"}),
+    "phi35": ("qwen2", chat_templates.PHI35, PHI_TOKENS, {"bos_token": "<s>", "eos_token": "<|endoftext|>"}),
+}
+# name -> how the template writes an assistant turn's text and end-of-turn (what is trained)
+ANSWERS = {
+    "llama32": lambda content: content.strip() + "<|eot_id|>",
+    "qwen25": lambda content: content + "<|im_end|>",
+    "mistral": lambda content: " " + content.strip() + "</s>",  # the space after [/INST] is the answer's
+    "gemma3": lambda content: content.strip() + "<end_of_turn>",
+    "phi35": lambda content: content + "<|end|>",  # not the newline nor the eos_token written after the last turn
+}
+
+
+def tokenizer_folder(shared, folder, name):
+    """The shared tokenizer's files, with the template and its turn markers (as special tokens) set in
+    tokenizer_config.json."""
+    base, template, specials, settings = FOLDERS[name]
+    folder.mkdir()
+    for f in (shared / "tokenizers" / base).iterdir():
+        if f.name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+            shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if specials:
+        config["additional_special_tokens"] = config.get("additional_special_tokens", []) + specials
+    config.update(settings, chat_template=template)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(shared, tmp_path_factory):
+    root = tmp_path_factory.mktemp("templates")
+    return {name: tokenizer_folder(shared, root / name, name) for name in FOLDERS}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(folders):
+    """name -> the folder's tokenizer, loaded on first use."""
+    class Tokenizers(dict):
+        def __missing__(self, name):
+            self[name] = load_tokenizer(folders[name])
+            return self[name]
+
+    return Tokenizers()
+
+
+def sample(shared, per_file: int = 4, system_every: int = 3) -> list:
+    """A few records of each messages/ file (squality's long stories left out), multi-turn ones first, every
+    `system_every`-th given a system prompt."""
+    out = []
+    for path in sorted((shared / "data/messages").glob("*.jsonl")):
+        if "squality" not in path.name:
+            records = list(read_source(SourceConfig(path=str(path))))[:200]
+            out += sorted(records, key=lambda e: -len(e.messages))[:per_file]
+    for ex in out[::system_every]:
+        ex.messages = [{"role": "system", "content": "You are terse."}] + ex.messages
+    return out
+
+
+def trained_runs(tok, ids, mask) -> list[str]:
+    """The decoded maximal runs of trained tokens."""
+    edges = np.flatnonzero(np.diff(np.asarray(mask, np.int8))) + 1
+    return [tok.decode(p.tolist(), skip_special_tokens=False)
+            for p, m in zip(np.split(np.asarray(ids), edges), np.split(np.asarray(mask), edges)) if m[0]]
+
+
+def own_ids(tok, enc, ex) -> list[int]:
+    """The tokenizer's own apply_chat_template ids of the whole conversation, as the Encoder hands it over."""
+    tools = ex.tools if ex.tools and enc.renders_tools else None
+    out = tok.apply_chat_template([enc._for_template(m) for m in ex.messages], tools=tools, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def plain(ex) -> bool:
+    return not ex.tools and all(m["role"] in ("system", "user", "assistant") and not m.get("is_tool_call")
+                                for m in ex.messages)
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_trained_tokens_are_each_answer_and_the_documents_the_templates_own_ids(shared, tokenizers, name):
+    tok = tokenizers[name]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    examples = [ex for ex in sample(shared) if name != "mistral" or ex.messages[0]["role"] != "system"]
+    chunk = enc.encode_chunk(examples)
+    # the Gemma 3 template refuses glaive's tool turns (roles must alternate): counted, named
+    refused = {e.where for e in chunk.errors if e.reason == "template_error"}
+    assert all(e.reason == "template_error" for e in chunk.errors) and (name == "gemma3") == bool(refused)
+    kept = [ex for ex in examples if ex.where not in refused]
+    assert len(chunk.ids) == len(kept) > 20
+    turns = 0
+    for ex, ids, mask in zip(kept, chunk.ids, chunk.mask):
+        assert ids.tolist() == own_ids(tok, enc, ex), ex.where
+        runs = trained_runs(tok, ids, mask)
+        assert len(runs) == sum(m["role"] == "assistant" for m in ex.messages), ex.where
+        if plain(ex):
+            want = [ANSWERS[name](m["content"]) for m in ex.messages if m["role"] == "assistant"]
+            assert [unicodedata.normalize("NFC", r) for r in runs] == [unicodedata.normalize("NFC", w) for w in want], \
+                ex.where  # Qwen2's normalizer is NFC
+            turns += len(want)
+    assert turns > 40
+
+
+def test_llama32_tool_calls_train_the_call_and_the_system_header_is_the_prompt(shared, tokenizers):
+    """Llama 3.2's template: the Cutting Knowledge/Today Date header and the tool definitions (in the first user
+    turn) are prompt; a glaive call is trained as the JSON the template writes, {"name", "parameters"}."""
+    tok = tokenizers["llama32"]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    examples = list(read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl"))))[:30]
+    chunk = enc.encode_chunk(examples)
+    assert not chunk.errors and len(chunk.ids) == 30
+    calls = 0
+    for ex, ids, mask in zip(examples, chunk.ids, chunk.mask):
+        assert ids.tolist() == own_ids(tok, enc, ex), ex.where
+        text = tok.decode(ids.tolist(), skip_special_tokens=False)
+        assert "Cutting Knowledge Date: December 2023\nToday Date: " in text
+        want = []
+        for m in ex.messages:
+            if m.get("is_tool_call"):
+                call = json.loads(m["content"])
+                want.append(f'{{"name": "{call["name"]}", "parameters": '
+                            f'{json.dumps(call["arguments"], ensure_ascii=False)}}}<|eot_id|>')
+                calls += 1
+            elif m["role"] == "assistant":
+                want.append(m["content"].strip() + "<|eot_id|>")
+        assert trained_runs(tok, ids, mask) == want, ex.where
+    assert calls > 15
+
+
+def config(tmp_path, tokenizer, path, **options) -> DataConfig:
+    return from_dict(DataConfig, {"sources": [{"path": str(path)}], "tokenizer": str(tokenizer), "num_workers": 0,
+                                  "cache_dir": str(tmp_path / "cache"), "max_seq_len": 8192,
+                                  "tokens_per_batch": 8192, **options}, "data")
+
+
+def write_jsonl(path, examples) -> list[str]:
+    """The examples as a messages file; their file:line."""
+    path.write_text("".join(json.dumps({"messages": ex.messages}) + "\n" for ex in examples))
+    return [f"{path}:{n}" for n in range(1, len(examples) + 1)]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip_per_record(shared, folders, tokenizers, tmp_path):
+    """Qwen3's template drops an earlier turn's <think> block (the one a lone turn gets), so no multi-turn
+    conversation renders its turns as prefixes of the whole: each such record is skipped, counted and named, and
+    the single-turn ones are trained (the empty <think> block is the answer's, as Qwen3 writes it)."""
+    examples = sample(shared)
+    wheres = write_jsonl(tmp_path / "chats.jsonl", examples)
+    multi = {w for w, ex in zip(wheres, examples) if sum(m["role"] == "assistant" for m in ex.messages) > 1}
+    assert 10 < len(multi) < len(examples) - 10
+    with pytest.raises(ValueError, match=r"chats.jsonl:\d+: messages: the chat template renders messages\[:\d+\] "
+                                         r"as text that does not start .* set train_on: last_assistant .*on_error: skip"):
+        build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl"))
+    mix, _, summary = build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl", on_error="skip"))
+    assert summary.dropped == {"template_not_prefix": len(multi)} and len(mix) == len(examples) - len(multi)
+    assert {e.split(": ")[0] for e in summary.sources[0].first_errors} <= multi
+    assert "template_not_prefix" in summary.format()
+    tok = tokenizers["qwen3"]
+    kept = [ex for w, ex in zip(wheres, examples) if w not in multi]
+    for i, ex in enumerate(kept):
+        ids, mask = mix.doc(i)
+        assert trained_runs(tok, ids, mask) == [f"<think>\n\n</think>\n\n{ex.messages[-1]['content']}<|im_end|>"]
+    # train_on: last_assistant trains the last answer of every record
+    mix, _, summary = build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl",
+                                        train_on="last_assistant"))
+    assert summary.dropped == {} and len(mix) == len(examples)
+
+
+def test_qwen3_reasoning_of_the_last_turn_is_trained(shared, tokenizers):
+    tok = tokenizers["qwen3"]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="last_assistant", overlong="truncate")
+    examples = [ex for ex in sample(shared, system_every=2) if plain(ex)][:12]
+    for ex in examples:  # the answer's reasoning, as Qwen3's data has it: in <think> or in reasoning_content
+        ex.messages[-1] = {**ex.messages[-1], "content": f"<think>\nWhy {ex.where[-3:]}?\n</think>\n\n"
+                                                         + ex.messages[-1]["content"].lstrip()}
+    examples[0].messages[-1] = {"role": "assistant", "reasoning_content": "Think.",
+                                "content": examples[0].messages[-1]["content"].split("</think>\n\n")[1]}
+    chunk = enc.encode_chunk(examples)
+    assert not chunk.errors
+    for ex, ids, mask in zip(examples, chunk.ids, chunk.mask):
+        assert ids.tolist() == own_ids(tok, enc, ex), ex.where
+        last = ex.messages[-1]
+        want = (f"<think>\nThink.\n</think>\n\n{last['content']}<|im_end|>" if "reasoning_content" in last
+                else last["content"] + "<|im_end|>")
+        assert trained_runs(tok, ids, mask) == [want], ex.where
+
+
+def test_mistral_system_prompt_is_reported_not_a_shifted_mask(shared, folders, tokenizers, tmp_path):
+    """Mistral v0.3 writes the system message into the last user turn, so into the prompt of the last answer but
+    not into the whole conversation, where the answer's text starts that many characters earlier: the mask cut
+    at the prompt's length skipped the answer's first characters (16 here: "You are terse.\\n\\n")."""
+    examples = [ex for ex in sample(shared, per_file=8, system_every=2) if plain(ex) and len(ex.messages) <= 3]
+    wheres = write_jsonl(tmp_path / "chats.jsonl", examples)  # single-turn: the shift was silent
+    system = {w for w, ex in zip(wheres, examples) if ex.messages[0]["role"] == "system"}
+    mix, _, summary = build_data(config(tmp_path, folders["mistral"], tmp_path / "chats.jsonl", on_error="skip"))
+    assert summary.dropped == {"template_not_prefix": len(system)} and len(system) > 5
+    assert all("the prompt of messages[" in e for e in summary.sources[0].first_errors)
+    tok = tokenizers["mistral"]
+    kept = [ex for w, ex in zip(wheres, examples) if w not in system]
+    for i, ex in enumerate(kept):
+        assert trained_runs(tok, *mix.doc(i)) == [ANSWERS["mistral"](m["content"]) for m in ex.messages
+                                                  if m["role"] == "assistant"]
+
+
+def test_template_errors_are_counted_skips_naming_the_record(shared, folders, tmp_path):
+    """Gemma 2 refuses a system message, Mistral non-alternating roles: each a skip under on_error: skip, the run's
+    error under raise, naming file:line."""
+    examples = [ex for ex in sample(shared, system_every=2) if plain(ex)]
+    wheres = write_jsonl(tmp_path / "chats.jsonl", examples)
+    system = {w for w, ex in zip(wheres, examples) if ex.messages[0]["role"] == "system"}
+    with pytest.raises(ValueError, match=r"chats.jsonl:1: messages: the chat template failed: System role not "
+                                         r"supported \(set data.on_error: skip"):
+        build_data(config(tmp_path, folders["gemma2"], tmp_path / "chats.jsonl"))
+    mix, _, summary = build_data(config(tmp_path, folders["gemma2"], tmp_path / "chats.jsonl", on_error="skip"))
+    assert summary.dropped == {"template_error": len(system)} and len(mix) == len(examples) - len(system)
+    assert summary.sources[0].first_errors[0] == f"{wheres[0]}: messages: the chat template failed: System role " \
+                                                 "not supported"
+    two_users = tmp_path / "two_users.jsonl"
+    two_users.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                                  {"role": "assistant", "content": "c"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"two_users.jsonl:1: messages: the chat template failed: After the optional "
+                                         "system message, conversation roles must alternate"):
+        build_data(config(tmp_path, folders["mistral"], two_users))
+
+
+def test_a_folder_without_a_template_names_data_chat_template(shared, folders, tmp_path):
+    folder = tmp_path / "no_template"
+    shutil.copytree(folders["qwen25"], folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    path = tmp_path / "chats.jsonl"
+    write_jsonl(path, sample(shared)[:2])
+    for on_error in ("raise", "skip"):  # a setting to fix, not a record to skip
+        with pytest.raises(ValueError, match=r"chats.jsonl:1: the tokenizer has no chat template; set "
+                                             r"data.chat_template \(inline Jinja or a .jinja file\)"):
+            build_data(config(tmp_path, folder, path, on_error=on_error))
+    mix, _, _ = build_data(config(tmp_path, folder, path, chat_template=chat_templates.QWEN25))
+    assert len(mix) == 2
+
+
+@pytest.mark.parametrize("name", ["llama32", "qwen25"])
+def test_openai_tool_calls_with_json_string_arguments_train_the_arguments_as_json(shared, tokenizers, name):
+    """OpenAI's tool_calls carry `arguments` as a JSON string; Llama 3.x's and Qwen2.5's templates write them with
+    tojson, which made the string a quoted one ("parameters": "{\\"a\\": 1}"), trained as the call. Given to the
+    template as the object the string holds, the document equals the one of the same call in glaive's form."""
+    tok = tokenizers[name]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    glaive = [ex for ex in read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl")))
+              if any(m.get("is_tool_call") for m in ex.messages)][:12]
+    openai = []
+    for ex in glaive:
+        messages = []
+        for m in ex.messages:
+            if m.get("is_tool_call"):
+                call = json.loads(m["content"])
+                function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+                m = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": function}]}
+            messages.append(m)
+        openai.append(type(ex)(ex.where, messages=messages, tools=ex.tools))
+    a, b = enc.encode_chunk(glaive), enc.encode_chunk(openai)
+    assert not a.errors and not b.errors and len(a.ids) == len(b.ids) == 12
+    for ex, ids, mask, ids2, mask2 in zip(glaive, a.ids, a.mask, b.ids, b.mask):
+        assert trained_runs(tok, ids2, mask2) == trained_runs(tok, ids, mask), ex.where
+        assert ids2.tolist() == ids.tolist() and mask2.tolist() == mask.tolist(), ex.where
