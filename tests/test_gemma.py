@@ -229,12 +229,20 @@ def test_merged_gemma3_keeps_the_vision_tower(gemma3_checkpoint, tmp_path):
     import transformers
 
     hf, folder = gemma3_checkpoint
+    processor = {"preprocessor_config.json": {"image_processor_type": "Gemma3ImageProcessor",
+                                              "size": {"height": 28, "width": 28}},
+                 "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"}}
+    for name, content in processor.items():
+        (folder / name).write_text(json.dumps(content))
     with pytest.warns(UserWarning, match="vision tower"):
         ours = apply_lora(gapless.load_model(folder), LoraConfig(r=4, alpha=8)).train()
     _train(ours, [p for p in ours.parameters() if p.requires_grad])
     ids = torch.arange(20)[None]
     adapted = _logits(ours.eval(), ids)
     out = save_pretrained(merge_lora(ours), tmp_path / "merged")
+    # the processor's files come along, so the folder is still an image-text model (AutoProcessor, vLLM)
+    for name, content in processor.items():
+        assert json.loads((out / name).read_text()) == content, name
     with safe_open(folder / "model.safetensors", "pt") as src, safe_open(out / "model.safetensors", "pt") as dst:
         vision = [k for k in src.keys() if not k.startswith("language_model.")]
         assert vision and set(src.keys()) == set(dst.keys())
