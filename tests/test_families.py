@@ -101,6 +101,18 @@ def test_explicit_nulls_mean_none_as_in_transformers():
     assert model_args_from_config({"model_type": "gemma2", **MINIMAL}).attn_softcap == 50.0
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("window", [None, 5, "absent"])
+def test_qwen_windows_read_as_transformers_reads_them(model_type, window):
+    """use_sliding_window with a null window is no window (it read as 4096 on the layers from max_window_layers)."""
+    config = {"model_type": model_type, **MINIMAL, "use_sliding_window": True, "max_window_layers": 3,
+              **({} if window == "absent" else {"sliding_window": window})}
+    hf = _hf_config(**config)
+    expected = [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+    assert model_args_from_config(config).sliding_window == expected
+    assert expected == [None] * 7 if window is None else expected[3:] == [hf.sliding_window] * 4
+
+
 def test_softcaps_transformers_ignores_are_ignored_with_a_warning():
     with pytest.warns(UserWarning, match="attn_logit_softcapping=50.0 is ignored"):
         args = model_args_from_config({"model_type": "gemma3_text", **MINIMAL, "attn_logit_softcapping": 50.0})

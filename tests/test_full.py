@@ -199,3 +199,30 @@ def test_fp16_run_counts_its_skipped_steps(demo):
     assert all(math.isfinite(r["loss"]) for r in records)
     # steps run at 2^16 unless an overflow halved it; every halving is one counted skip
     assert records[-1]["loss_scale"] * 2 ** records[-1]["skipped_steps"] == 2.0 ** 16
+
+
+def test_export_of_a_full_run_without_checkpoints_writes_its_model(demo, tmp_path, capsys):
+    """checkpoint.every: 0 leaves a full run only its model/: `gapless export RUN` writes it (in --dtype), where it
+    said the run held no adapter or checkpoint; and the CLI says it wrote a model, not a PEFT adapter."""
+    import io
+    import json
+
+    import transformers
+
+    from gapless import cli, demo_task
+    from gapless.train.loop import train
+
+    run = train(loop_config(demo, "no-checkpoints", **{"checkpoint.every": 0, "train.steps": 2}), out=io.StringIO())
+    assert not (run.run_dir / "checkpoints").exists() or not any((run.run_dir / "checkpoints").iterdir())
+    assert cli.main(["export", str(run.run_dir), "--out", str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote model to {tmp_path / 'fp32'}"
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    final = gapless.load_model(run.final_dir, dtype=torch.float32)
+    exported = gapless.load_model(tmp_path / "fp32", dtype=torch.float32)
+    for (name, a), b in zip(final.state_dict().items(), exported.state_dict().values()):
+        assert torch.equal(a, b), name  # the run's bf16 weights, exactly
+    assert (tmp_path / "fp32" / "tokenizer.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").eval()
+    ids = torch.randint(5, demo_task.vocab_size(), (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(hf(ids).logits, exported(ids), atol=1e-4, rtol=0)

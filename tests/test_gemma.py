@@ -229,12 +229,20 @@ def test_merged_gemma3_keeps_the_vision_tower(gemma3_checkpoint, tmp_path):
     import transformers
 
     hf, folder = gemma3_checkpoint
+    processor = {"preprocessor_config.json": {"image_processor_type": "Gemma3ImageProcessor",
+                                              "size": {"height": 28, "width": 28}},
+                 "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"}}
+    for name, content in processor.items():
+        (folder / name).write_text(json.dumps(content))
     with pytest.warns(UserWarning, match="vision tower"):
         ours = apply_lora(gapless.load_model(folder), LoraConfig(r=4, alpha=8)).train()
     _train(ours, [p for p in ours.parameters() if p.requires_grad])
     ids = torch.arange(20)[None]
     adapted = _logits(ours.eval(), ids)
     out = save_pretrained(merge_lora(ours), tmp_path / "merged")
+    # the processor's files come along, so the folder is still an image-text model (AutoProcessor, vLLM)
+    for name, content in processor.items():
+        assert json.loads((out / name).read_text()) == content, name
     with safe_open(folder / "model.safetensors", "pt") as src, safe_open(out / "model.safetensors", "pt") as dst:
         vision = [k for k in src.keys() if not k.startswith("language_model.")]
         assert vision and set(src.keys()) == set(dst.keys())
@@ -355,3 +363,44 @@ def test_a_gemma2_lora_run_end_to_end(tmp_path):
     adapted = _logits(ours.eval(), ids)
     assert (adapted - _logits(gapless.load_model(folder), ids)).abs().max() > 1e-2  # training moved the adapter
     assert_close(_logits(hf.eval(), ids), adapted, **TOL)
+
+
+def test_gemma3_adapter_of_older_transformers_and_with_exclude_modules(gemma3_checkpoint, tmp_path):
+    """Two forms of PEFT adapters for Gemma 3's image-text class that PEFT loads: keys under the layout transformers
+    before 4.52 gave the class (base_model.model.language_model.model.layers..., which PEFT renames), and short
+    target names with exclude_modules keeping them off the vision tower. gapless refused both."""
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = gemma3_checkpoint
+    ids = torch.randint(0, 88, (2, 12), generator=torch.Generator().manual_seed(7))
+    reference = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        exclude_modules=r".*vision_tower.*"))
+    assert all(".language_model." in name for name, m in reference.named_modules() if hasattr(m, "lora_A"))
+    _train(lambda x: reference(input_ids=x).logits, [p for p in reference.parameters() if p.requires_grad])
+    reference.eval().save_pretrained(tmp_path / "excluded")
+    expected = _logits(reference, ids)
+    reference.unload()
+    loaded, cfg = load_adapter(gapless.load_model(folder), tmp_path / "excluded")
+    assert cfg.target_modules == ["q_proj", "v_proj"]
+    assert_close(_logits(loaded.eval(), ids), expected, **TOL)
+
+    # the same adapter as transformers 4.50 saved it, with a vision-tower tensor beside (short names reached it then)
+    old = tmp_path / "old"
+    (old).mkdir()
+    tensors = load_file(tmp_path / "excluded" / "adapter_model.safetensors")
+    renamed = {k.replace("base_model.model.model.language_model.", "base_model.model.language_model.model."): v
+               for k, v in tensors.items()}
+    assert set(renamed).isdisjoint(tensors)
+    renamed["base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"] = \
+        torch.zeros(4, 32)
+    save_file(renamed, old / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "excluded" / "adapter_config.json").read_text())
+    (old / "adapter_config.json").write_text(json.dumps({**config, "exclude_modules": None}))
+    with pytest.warns(UserWarning, match="1 tensors outside the text decoder"):
+        loaded, _ = load_adapter(gapless.load_model(folder), old)
+    assert_close(_logits(loaded.eval(), ids), expected, **TOL)
+    del renamed["base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"]
+    save_file(renamed, old / "adapter_model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():  # and PEFT loads it too, renaming the keys
+        assert_close(peft.PeftModel.from_pretrained(hf, old).eval()(input_ids=ids).logits, expected, **TOL)

@@ -103,6 +103,30 @@ def test_cli_chat_keeps_the_conversation(trained, capsys, monkeypatch):
     assert out.count("model> ") == 2
 
 
+def test_a_full_fine_tuning_run_generates_and_evaluates_with_its_model(trained, capsys):
+    """A full fine-tuning run's final save is model/ (an HF folder), not adapter/: generate, chat and eval on the run
+    folder load it (they said 'the run has no adapter/ yet')."""
+    run = trained["root"] / "full"
+    cfg = load_config(data={
+        "model": {"path": str(trained["base"]), "dtype": "float32", "device": "cpu"}, "method": "full",
+        "data": {"sources": [{"path": str(trained["data"])}], "max_seq_len": 64, "tokens_per_batch": 128,
+                 "cache_dir": str(trained["root"] / "cache"), "num_workers": 0},
+        "optim": {"lr": 1e-3}, "checkpoint": {"every": 0}, "train": {"steps": 2}, "output_dir": str(run),
+        "progress": False})
+    train(cfg)
+    assert not (run / "adapter").exists()
+    loaded = load_for_generation(run, device="cpu")
+    assert loaded.what == f"model {run / 'model'}"
+    final, base = load_model(run / "model"), load_model(trained["base"])
+    for (name, a), b in zip(loaded.model.state_dict().items(), final.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), base.state_dict().values()))
+    assert main(["generate", str(run), "--prompt", "shift: abcd", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert "loaded model" in capsys.readouterr().err
+    assert main(["eval", str(run), "--data", str(trained["data"]), "--device", "cpu"]) == 0
+    assert json.loads((run / "eval.json").read_text())[0]["model"] == f"model {run / 'model'}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_greedy_equals_no_cache(trained):

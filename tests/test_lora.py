@@ -120,6 +120,41 @@ def test_peft_adapter_with_a_regex_target_loads_in_gapless(hf_checkpoint, tmp_pa
     assert_close(_logits(ours.eval()), _logits(reference), **TOL)
 
 
+@pytest.mark.parametrize("options, targets", [
+    # orthogonal and EVA initialisation choose A's and B's starting values only: the adapter is plain LoRA on the
+    # unchanged base (gapless refused them with PiSSA's kind, which rewrites the base)
+    ({"init_lora_weights": "orthogonal"}, ["q_proj", "v_proj"]),
+    ({"init_lora_weights": "eva", "target_modules": ["q_proj", "v_proj", "o_proj"], "exclude_modules": ["o_proj"]},
+     ["q_proj", "v_proj"]),
+    ({"target_modules": "all-linear", "exclude_modules": r".*\.mlp\..*"}, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+])
+def test_peft_adapter_with_a_plain_init_or_exclude_modules_loads_in_gapless(hf_checkpoint, tmp_path, options, targets):
+    import peft
+
+    hf, folder = hf_checkpoint("llama")
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **options}
+    init = settings.pop("init_lora_weights", True)
+    reference = peft.get_peft_model(hf, peft.LoraConfig(**settings, init_lora_weights=init if init != "eva" else True))
+    _train(lambda ids: reference(ids).logits, [p for p in reference.parameters() if p.requires_grad])
+    reference.eval().save_pretrained(tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # EVA needs activations to initialise; its saved adapter differs from a plain one by this field only
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**written, "init_lora_weights": init}))
+    ours, cfg = load_adapter(gapless.load_model(folder), tmp_path / "adapter")
+    assert cfg.target_modules == targets
+    assert_close(_logits(ours.eval()), _logits(reference), **TOL)
+
+
+def test_exclude_modules_leaving_some_layers_is_refused(hf_checkpoint, tmp_path):
+    _, folder = hf_checkpoint("llama")
+    save_adapter(apply_lora(gapless.load_model(folder), LoraConfig(r=2, alpha=4)), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {**config, "exclude_modules": ["model.layers.1.mlp.down_proj"]}))
+    with pytest.raises(ValueError, match=r"adapts some layers but not \['model\.layers\.1\.mlp\.down_proj'\]"):
+        load_adapter(gapless.load_model(folder), tmp_path / "adapter")
+
+
 @pytest.mark.parametrize("model_type, config", [("llama", {"tie_word_embeddings": True}), ("qwen2", {})])
 def test_merged_folder_loads_in_transformers(hf_checkpoint, tmp_path, model_type, config):
     import transformers

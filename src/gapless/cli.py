@@ -156,7 +156,9 @@ def run_export(args) -> int:
     from gapless.train.export import export
 
     out = export(args.source, args.out, merge=args.merge, dtype=args.dtype)
-    print(f"wrote {'merged model' if args.merge else 'PEFT adapter'} to {out}")
+    # a full fine-tuning run exports its model (every weight trained) with or without --merge
+    wrote = "PEFT adapter" if (out / "adapter_config.json").is_file() else "merged model" if args.merge else "model"
+    print(f"wrote {wrote} to {out}")
     return 0
 
 

@@ -28,9 +28,12 @@ from gapless.model.loading import decoder_headers, read_config, read_weight_head
 
 # transformers 4.x defaulted to 5 GB shards (5.x to 50 GB); 5 GB files suit hub uploads and older readers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# preprocessor_config.json and processor_config.json: an image-text checkpoint's processor (Gemma 3's image size and
+# image tokens per image), which its merged folder keeps its vision tower for: without them AutoProcessor, and so
+# vLLM and transformers' image-text pipeline, cannot load that folder
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                "chat_template.json")
+                "chat_template.json", "preprocessor_config.json", "processor_config.json")
 
 
 def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Path | None = None,

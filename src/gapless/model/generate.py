@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,12 +168,22 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         import yaml
 
         cfg = from_dict(RunConfig, yaml.safe_load(run_config.read_text()), str(run_config))
-        adapter_dir = source / "adapter"
-        if not (adapter_dir / ADAPTER_CONFIG).is_file():
-            raise ValueError(f"{source}: the run has no adapter/ yet (it writes one when it ends); export a "
-                             f"checkpoint first: gapless export {source}/checkpoints/step-N --out DIR")
-        base_dir = Path(base or cfg.model.path)
         tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+        if cfg.method == "full":  # every weight trained: the run's final save is an HF folder, model/
+            base_dir = source / "model"
+            if not (base_dir / "config.json").is_file():
+                raise ValueError(f"{source}: the run has no model/ yet (a full fine-tuning run writes it when it "
+                                 f"ends); export a checkpoint first: gapless export "
+                                 f"{source}/checkpoints/step-N --out DIR")
+            if base is not None:
+                warnings.warn(f"--base {base} is ignored: {source} is a full fine-tuning run, whose model/ holds "
+                              "every weight", stacklevel=2)
+        else:
+            adapter_dir = source / "adapter"
+            if not (adapter_dir / ADAPTER_CONFIG).is_file():
+                raise ValueError(f"{source}: the run has no adapter/ yet (it writes one when it ends); export a "
+                                 f"checkpoint first: gapless export {source}/checkpoints/step-N --out DIR")
+            base_dir = Path(base or cfg.model.path)
     else:
         raise ValueError(f"{source}: not a model folder (config.json), an adapter folder ({ADAPTER_CONFIG}) or a "
                          "gapless run folder (config.yaml)")
@@ -180,7 +191,8 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         raise ValueError(f"{source}: its base model {str(base_dir)!r} is not a local model folder; pass --base DIR")
     if tokenizer_dir is None or not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json",
                                                                                    "tokenizer_config.json")):
-        tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+        tokenizer_dir = adapter_dir if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file() \
+            else base_dir
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(base_dir, dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),

@@ -291,8 +291,10 @@ def _read_sliding_window(f: _Fields, fam: Family, layers: int) -> list[int | Non
     # window_pattern-th: Gemma 2 alternates from a sliding layer 0, Gemma 3 has 5 sliding per global)
     if fam.windows == "use_sliding_window" and not f.flag("use_sliding_window", False):
         return [None] * layers
-    if fam.windows == "layer_types" and "sliding_window" in f.config and f.config["sliding_window"] is None:
-        return [None] * layers  # Gemma: an explicit null leaves the sliding layers unwindowed, as in transformers
+    if "sliding_window" in f.config and f.config["sliding_window"] is None:
+        # an explicit null leaves the sliding layers unwindowed, as in transformers (Gemma's and Qwen's config classes
+        # keep None, and Qwen's then names every layer full_attention); only an absent field takes the default
+        return [None] * layers
     window = f.integer("sliding_window", fam.defaults["sliding_window"])
     layer_types = f.get("layer_types", None)
     if layer_types is None:

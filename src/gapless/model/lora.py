@@ -40,8 +40,12 @@ _INFORMATIONAL = {"peft_type", "task_type", "auto_mapping", "peft_version", "bas
                   "inference_mode", "megatron_core", "qalora_group_size", "loftq_config", "eva_config",
                   "corda_config", "lora_ga_config", "layers_pattern", "ensure_weight_tying"}
 # the keys we read; any other key with a non-empty value is an option we do not implement
-_READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "bias", "init_lora_weights",
-         "fan_in_fan_out"}
+_READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "use_rslora", "bias",
+         "init_lora_weights", "fan_in_fan_out"}
+# init_lora_weights values whose adapters are plain LoRA on the unchanged base: they only choose A's and B's starting
+# values (EVA: A from activations' SVD, B zero; orthogonal: A and B from one orthogonal matrix). PiSSA, OLoRA, CorDA,
+# LoftQ and LoRA-GA instead rewrite the base weights at initialisation, which the adapter's file does not hold.
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 
 
 class LoraLinear(nn.Module):
@@ -275,50 +279,62 @@ def read_adapter_config(adapter_dir: str | Path, model: nn.Module) -> LoraConfig
         refused.append("bias")
     if raw.get("fan_in_fan_out"):
         refused.append("fan_in_fan_out")
-    if raw.get("init_lora_weights", True) not in (True, False, "gaussian"):
+    if raw.get("init_lora_weights", True) not in _PLAIN_INITS:
         # PiSSA, OLoRA, CorDA, LoftQ... adapters assume a base model rewritten at initialisation
         refused.append("init_lora_weights")
     if refused:
         raise ValueError(f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in refused)} not supported; gapless loads "
-                         "plain LoRA adapters (r, lora_alpha, lora_dropout, target_modules, use_rslora) only, "
-                         "and will not ignore an option that changes the model")
+                         "plain LoRA adapters (r, lora_alpha, lora_dropout, target_modules, exclude_modules, "
+                         "use_rslora) only, and will not ignore an option that changes the model")
     for key in ("r", "lora_alpha"):
         if key not in raw:
             raise ValueError(f"{path}: {key}: required field is missing")
     cfg = LoraConfig(r=raw["r"], alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout", 0.0)),
-                     target_modules=_resolve_targets(raw.get("target_modules"), model, path),
+                     target_modules=_resolve_targets(raw.get("target_modules"), model, path,
+                                                     exclude=raw.get("exclude_modules")),
                      use_rslora=bool(raw.get("use_rslora", False)))
     cfg.validate(where=str(path))
     return cfg
 
 
-def _resolve_targets(targets, model: nn.Module, path: Path) -> list[str]:
-    """PEFT's target_modules (short names, full module paths, a regular expression, or "all-linear") -> our short
-    names.
-
-    PEFT adapts every module whose name equals an entry or ends with "." + entry, and skips entries
-    that match nothing; a string is a regular expression that must match a module's whole name. Names are
-    transformers' (peft_name). The result must be whole projection kinds on every layer, which is what
-    LoraConfig can express.
-    """
-    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
-        return list(ALL_LINEAR)
-    if not isinstance(targets, (list, str)):
-        raise ValueError(f"{path}: target_modules {targets!r}: expected a list of module names or a regular "
-                         f"expression, among {list(ALL_LINEAR)}")
-    names = [peft_name(model, name) for name, _ in model.named_modules()]
-    adaptable = {peft_name(model, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)
-                 and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in ALL_LINEAR}
+def _matching(names: list[str], targets: list | str, path: Path, key: str) -> dict[str, str | None]:
+    """The names PEFT's `key` (target_modules or exclude_modules) selects, each with the list entry that selected it
+    (None for a regular expression): a string is a regular expression that must match a module's whole name; a list
+    entry selects the module of that name and every module whose name ends with "." + entry."""
     if isinstance(targets, str):
         try:
             pattern = re.compile(targets)
         except re.error as e:
-            raise ValueError(f"{path}: target_modules {targets!r}: not a valid regular expression ({e})") from None
-        matched = {name for name in names if pattern.fullmatch(name)}
-        outside = sorted(matched - adaptable)
+            raise ValueError(f"{path}: {key} {targets!r}: not a valid regular expression ({e})") from None
+        return {name: None for name in names if pattern.fullmatch(name)}
+    return {name: t for name in names for t in targets if name == t or name.endswith("." + t)}
+
+
+def _resolve_targets(targets, model: nn.Module, path: Path, exclude=None) -> list[str]:
+    """PEFT's target_modules (short names, full module paths, a regular expression, or "all-linear") less its
+    exclude_modules (the same forms) -> our short names.
+
+    PEFT adapts every module that target_modules selects (_matching) and exclude_modules does not, and skips entries
+    that match nothing. Names are transformers' (peft_name). The result must be whole projection kinds on every
+    layer, which is what LoraConfig can express.
+    """
+    if not isinstance(targets, (list, str)):
+        raise ValueError(f"{path}: target_modules {targets!r}: expected a list of module names or a regular "
+                         f"expression, among {list(ALL_LINEAR)}")
+    if exclude is not None and not isinstance(exclude, (list, str)):
+        raise ValueError(f"{path}: exclude_modules {exclude!r}: expected a list of module names or a regular "
+                         "expression")
+    names = [peft_name(model, name) for name, _ in model.named_modules()]
+    adaptable = {peft_name(model, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+                 and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in ALL_LINEAR}
+    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+        selected = dict.fromkeys(adaptable)
     else:
-        matched = {name for name in names for t in targets if name == t or name.endswith("." + t)}
-        outside = sorted({t for t in targets for name in matched - adaptable if name == t or name.endswith("." + t)})
+        selected = _matching(names, targets, path, "target_modules")
+    for name in _matching(names, exclude, path, "exclude_modules") if exclude else ():
+        selected.pop(name, None)
+    matched = set(selected)
+    outside = sorted({name if t is None else t for name, t in selected.items() if name not in adaptable})
     if outside:
         raise ValueError(f"{path}: target_modules: {outside[:4]} not supported; gapless puts LoRA only on "
                          f"{list(ALL_LINEAR)} of the decoder layers")
@@ -344,10 +360,18 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
             "PEFT's save_pretrained(out_dir, safe_serialization=True)" if pickles else ""))
     apply_lora(model, cfg)
     ours = {PEFT_PREFIX + peft_name(model, k): v for k, v in model.state_dict().items()}
+    fam = family(model.args.model_type)
     with safe_open(weights, framework="pt") as st:
-        found = set(st.keys())
+        # our key -> the file's: the same, or for an image-text family the checkpoint's layout that transformers
+        # before 4.52 gave the class and PEFT adapters of then were saved under (Gemma 3:
+        # base_model.model.language_model.model.layers.0..., not ...model.language_model.layers.0...), which
+        # PEFT still loads, renaming the keys by transformers' conversion mapping
+        old = PEFT_PREFIX + fam.checkpoint_prefix
+        in_file = {(PEFT_PREFIX + peft_name(model, key[len(old):])
+                    if fam.checkpoint_prefix and key.startswith(old + "model.") else key): key for key in st.keys()}
+        found = set(in_file)
         expected = set(lora_state_dict(model))
-        decoder = PEFT_PREFIX + family(model.args.model_type).decoder_module + "."
+        decoder = PEFT_PREFIX + fam.decoder_module + "."
         if decoder != PEFT_PREFIX + "model.":
             # an image-text class: PEFT's short target names also adapt the vision tower's layers of that name, which
             # gapless does not hold (it trains the text decoder); text-only inputs never reach them
@@ -362,12 +386,12 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
                              f"missing keys: {missing}; unexpected keys: {unexpected}")
         for key in sorted(expected):
             ours_t = ours[key]
-            shape = tuple(st.get_slice(key).get_shape())
+            shape = tuple(st.get_slice(in_file[key]).get_shape())
             if shape != tuple(ours_t.shape):
-                raise ValueError(f"{weights}: {key} has shape {list(shape)}, but the model and r={cfg.r} "
+                raise ValueError(f"{weights}: {in_file[key]} has shape {list(shape)}, but the model and r={cfg.r} "
                                  f"imply {list(ours_t.shape)}")
             with torch.no_grad():
-                ours_t.copy_(st.get_tensor(key))
+                ours_t.copy_(st.get_tensor(in_file[key]))
     return model, cfg
 
 

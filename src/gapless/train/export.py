@@ -35,8 +35,10 @@ def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
         latest = latest_complete(source / "checkpoints")
         if latest is not None:
             return None, latest, source
+    if (source / "model" / "config.json").is_file() and (source / "config.yaml").is_file():
+        return None, None, source  # a full fine-tuning run without checkpoints (checkpoint.every: 0): its model/
     raise ValueError(f"{source}: holds no adapter (adapter_config.json), checkpoint (manifest.json) or run folder "
-                     "with either; give a run folder, its adapter/ or checkpoints/step-N")
+                     "with either (or a full run's model/); give a run folder, its adapter/ or checkpoints/step-N")
 
 
 def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: str | None = None) -> Path:
@@ -56,6 +58,12 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path) if cfg is not None else base_path
 
     merged_dtype = resolve_dtype(dtype, None) if dtype else None
+    if adapter_dir is None and checkpoint is None:  # a full run's final HF folder, in the dtype asked for
+        model = load_model(run_dir / "model")
+        save_pretrained(model.to(merged_dtype or resolve_dtype("auto", model.config_dict)), out,
+                        source_dir=run_dir / "model")
+        copy_tokenizer_files(tokenizer_dir, out)
+        return out
     # merging happens in float32 so the bf16 rounding happens once, at the end
     model = load_model(base_path, dtype=torch.float32 if merge else None)
     if adapter_dir is not None:
