@@ -60,7 +60,7 @@ def register_train(sub) -> None:
                                    "(e.g. train.steps=100 lora.r=8). Writes the run folder: config.yaml, "
                                    "metrics.jsonl, checkpoints/ and the adapter.")
     p.add_argument("config", help="the run's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the predicted peak memory, tokens per step, steps "
                    "and time, then stop (no weights are loaded)")
@@ -278,7 +278,8 @@ def register_gap(sub) -> None:
                                    "gap.json, gap.png and gap.html. See gapless/diagnosis/gap.py for what is measured.")
     p.add_argument("target", metavar="CONFIG_OR_RUN",
                    help="a YAML config, or a run folder (its config.yaml; its gap.json and report.html are updated)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="measured steps per window, after 1 warm-up step (default 20)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -306,7 +307,8 @@ def register_doctor(sub) -> None:
     p.add_argument("config", nargs="?", metavar="CONFIG_OR_RUN",
                    help="the run's YAML config, or a run folder (its config.yaml, plus what its metrics and GPU "
                         "samples show); without it, the environment only")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="the GPUs (processes) the run will use, as "
                    "`gapless train --nproc N` (default WORLD_SIZE under torchrun, else 1)")
@@ -354,7 +356,7 @@ def register_plan(sub) -> None:
                                    "gradient or FSDP2 parameter traffic over the link) and GPU-hours on each GPU "
                                    "choice, and say where more GPUs stop paying. See gapless/diagnosis/plan.py.")
     p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
     p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp2"],
                    help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA)")
@@ -384,7 +386,7 @@ def register_compare_precision(sub) -> None:
                                    "scaler); print the loss differences and tokens/s; write precision.html with the "
                                    "curves. See gapless/diagnosis/precision.py.")
     p.add_argument("config", help="the run's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (default 50)")
     p.add_argument("--out", default="runs/compare-precision", metavar="DIR", help="where the runs and the page go")
     p.add_argument("--variants", default="fp32,tf32,bf16,fp16", help="comma-separated subset of fp32,tf32,bf16,fp16")
@@ -425,6 +427,13 @@ def _load_generation(args):
     from gapless.convert import check_local
     from gapless.model.generate import load_for_generation, stop_ids
 
+    # before the model is loaded (minutes for a large one), not after
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens}; give the most tokens to generate, e.g. 256")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: {args.temperature}; give 0 (greedy) or more (sampled, e.g. 0.7)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p: {args.top_p}; give the nucleus mass in (0, 1], e.g. 0.9 (1 turns it off)")
     for value, name in ((args.source, "RUN_OR_MODEL"), (args.base, "--base")):
         error = check_local(value, name, "the model")
         if error:
@@ -495,7 +504,12 @@ def run_chat(args) -> int:
             messages = list(start)
             continue
         messages.append({"role": "user", "content": line})
-        text, gen = _reply(args, loaded, stop, messages)
+        try:
+            text, gen = _reply(args, loaded, stop, messages)
+        except ValueError as e:  # e.g. a character the tokenizer cannot encode: say so, keep the conversation
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": text})
         print(f"model> {text}")
         print(_stats(gen), file=sys.stderr)
@@ -539,6 +553,11 @@ def run_eval(args) -> int:
 COMMANDS += [register_generate, register_chat, register_eval]
 
 
+# GAPLESS_DEBUG=1: a user's mistake (ValueError) or a file error (OSError) raises with its traceback instead of the
+# one line
+DEBUG = "GAPLESS_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # options and KEY=VALUE overrides in any order (`train CONFIG --resume a=b`): argparse stops filling the
@@ -554,8 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # the user's mistakes: one clear line, no traceback
+        if os.environ.get(DEBUG):
+            raise
         print(f"gapless {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be written or read (a missing parent, a full disk): it names the file
+        if os.environ.get(DEBUG):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"gapless {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops cleanly on its own)
         print(f"gapless {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -567,10 +594,14 @@ def entry() -> None:
     (its clock would otherwise disagree with one outside the process by that much). Everything is written and
     closed by then; the standard streams are flushed here. Before anything heavy is imported, the imports' bytecode
     is kept in gapless's cache where Python would compile it again on every start (gapless.bytecode)."""
-    from gapless.bytecode import cache_bytecode
+    try:
+        from gapless.bytecode import cache_bytecode
 
-    cache_bytecode()
-    code = main()
+        cache_bytecode()
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before main's own handler is in place (imports, parsing the arguments)
+        print("gapless: interrupted", file=sys.stderr)
+        code = 130
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

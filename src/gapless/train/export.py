@@ -25,6 +25,8 @@ def run_config_of(run_dir: Path) -> RunConfig:
 
 def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
     """(adapter folder or None, checkpoint folder or None, run folder) for what the user named."""
+    if not source.exists():
+        raise ValueError(f"{source}: not found; give a run folder, its adapter/ or checkpoints/step-N")
     if (source / ADAPTER_CONFIG).is_file():
         return source, None, source.parent
     if (source / "manifest.json").is_file():  # runs/x/checkpoints/step-N
