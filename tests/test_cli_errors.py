@@ -125,3 +125,27 @@ def test_yaml_reads_exponents_without_a_dot_as_strings_and_the_config_reads_numb
         path.write_text(yaml.safe_dump(raw) + f"optim: {{lr: {text}}}\ntrain: {{steps: 1e2}}\n")
         cfg = load_config(path)
         assert cfg.optim.lr == 2e-4 and cfg.train.steps == 100
+
+
+def test_numbers_of_the_subcommands_arguments(tmp_path, capsys):
+    """A count a command cannot honour was clamped or read another way: `data --example 10**5` showed the last
+    document, `demo --steps 0` ran a pass over the data (train.steps 0), `compare-precision --steps 0` compared
+    nothing."""
+    from gapless import demo_task
+
+    data = demo_task.write_jsonl(demo_task.make_examples(5, seed=1), tmp_path / "train.jsonl")
+    tokenizer = demo_task.write_tokenizer(tmp_path / "tok")
+    code, err = error_of(capsys, "data", str(data), "--tokenizer", str(tokenizer), "--set", f"cache_dir={tmp_path}",
+                         "--example", "5")
+    assert code == 2 and "--example: 5; the data has 5 documents, give 0 to 4" in err
+    code, err = error_of(capsys, "data", str(data), "--example", "-1")
+    assert code == 2 and "--example: -1" in err
+    for argv, says in ((["demo", "--steps", "0", "--out", str(tmp_path / "demo")], "--steps: 0"),
+                       (["compare-precision", str(tmp_path / "c.yaml"), "--steps", "0"], "--steps: 0"),
+                       (["eval", str(tmp_path), "--gsm8k", str(data), "--limit", "0"], "--limit 0"),
+                       (["train", str(tmp_path / "c.yaml"), "--dry-run", "--gpu-gib", "-3"], "--gpu-gib: -3.0"),
+                       (["doctor", "--compare", str(tmp_path), str(tmp_path / "nothing")],
+                        f"--compare: {tmp_path / 'nothing'} is not a folder")):
+        code, err = error_of(capsys, *argv)
+        assert code == 2 and says in err, argv
+    assert not (tmp_path / "demo").exists()

@@ -46,6 +46,8 @@ def run_data(args) -> int:
     from gapless.data.pipeline import inspect
     from gapless.data.summary import data_config_from_inputs
 
+    if args.example < 0:
+        raise ValueError(f"--example: {args.example}; give the number of a document, from 0")
     cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides, format=args.format)
     inspect(cfg, as_json=args.json, example=args.example)
     return 0
@@ -84,6 +86,11 @@ def run_train(args) -> int:
     from gapless.train.runlock import output_dir_overrides
 
     started = process_start()
+    for value, flag in ((args.gpu_gib, "--gpu-gib"), (args.tokens_per_s, "--tokens-per-s")):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag}: {value}; give a positive number")
+        if value is not None and not args.dry_run:
+            print(f"gapless train: warning: {flag} is read by --dry-run only; ignored", file=sys.stderr)
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     if not launched_by_torchrun():  # ranks get the launcher's output_dir (a time in its name would differ by rank)
         overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
@@ -172,6 +179,8 @@ def register_demo(sub) -> None:
 def run_demo(args) -> int:
     from gapless.demo import run_demo as demo
 
+    if args.steps < 1:  # train.steps 0 would mean a pass over the data, not no training
+        raise ValueError(f"--steps: {args.steps}; give the optimizer steps to train, e.g. 400")
     summary = demo(args.out, steps=args.steps)
     return 0 if summary["accuracy_after"] > summary["accuracy_before"] else 1
 
@@ -396,6 +405,8 @@ def register_compare_precision(sub) -> None:
 def run_compare_precision(args) -> int:
     from gapless.diagnosis.precision import VARIANTS, compare_precision, format_comparison
 
+    if args.steps < 1:
+        raise ValueError(f"--steps: {args.steps}; give the optimizer steps of each variant, e.g. 50")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -537,6 +548,8 @@ def run_eval(args) -> int:
 
     if not args.data and not args.gsm8k:
         raise ValueError("eval: give --data PATH (loss, perplexity) and/or --gsm8k FILE (exact match)")
+    if args.gsm8k and (args.limit < 1 or args.max_new_tokens < 1):
+        raise ValueError(f"--limit {args.limit}, --max-new-tokens {args.max_new_tokens}: give at least 1 of each")
     results = evaluate_run(args.run, data=args.data, gsm8k=args.gsm8k, limit=args.limit,
                            max_new_tokens=args.max_new_tokens, device=args.device)
     for r in results:

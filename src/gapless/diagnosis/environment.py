@@ -190,6 +190,9 @@ _NOISE = ("executable", "output_dir", "gapless.path")
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict:
     """What differs between two run folders: their environment.json and their config.yaml."""
+    for run in (run_a, run_b):
+        if not Path(run).is_dir():
+            raise ValueError(f"--compare: {run} is not a folder; give two run folders (their output_dir)")
     out = {}
     for name, read in (("environment", lambda p: json.loads(p.read_text())),
                        ("config", lambda p: yaml.safe_load(p.read_text()) or {})):
