@@ -149,3 +149,16 @@ def test_numbers_of_the_subcommands_arguments(tmp_path, capsys):
         code, err = error_of(capsys, *argv)
         assert code == 2 and says in err, argv
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_run_whose_config_yaml_was_broken_by_hand(tmp_path, capsys):
+    """Every command that reads a run folder's config.yaml: yaml's ParserError was a traceback."""
+    run = make_run(tmp_path / "run", steps=20, gpu=False, gap=False)
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "config.yaml").write_text("model: {path: m\n")
+    for argv in (["report", str(run)], ["export", str(run), "--out", str(tmp_path / "out")],
+                 ["generate", str(run), "--prompt", "hi"], ["eval", str(run), "--data", str(tmp_path)],
+                 ["doctor", "--compare", str(run), str(run)]):
+        code, err = error_of(capsys, *argv)
+        assert code == 2 and f"{run / 'config.yaml'}: not valid YAML" in err and "line 2" in err, argv

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
+
+from gapless.config import read_yaml
 
 # The distributions whose version changes what a run computes or how fast (module name -> distribution name).
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "safetensors", "numpy", "triton",
@@ -195,7 +196,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict:
             raise ValueError(f"--compare: {run} is not a folder; give two run folders (their output_dir)")
     out = {}
     for name, read in (("environment", lambda p: json.loads(p.read_text())),
-                       ("config", lambda p: yaml.safe_load(p.read_text()) or {})):
+                       ("config", read_yaml)):
         file = "environment.json" if name == "environment" else "config.yaml"
         pa, pb = Path(run_a) / file, Path(run_b) / file
         missing = [str(p) for p in (pa, pb) if not p.is_file()]

@@ -151,7 +151,7 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
     its adapter_config.json names), or a gapless run folder (its adapter/ on its config's model.path)."""
     from transformers import AutoTokenizer
 
-    from gapless.config import RunConfig, from_dict
+    from gapless.config import RunConfig, from_dict, read_yaml
     from gapless.model.loading import load_model
     from gapless.model.lora import ADAPTER_CONFIG, load_adapter
     from gapless.train.loop import resolve_device
@@ -165,9 +165,7 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         adapter_dir = source
         base_dir = Path(base or json.loads((source / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
     elif run_config.is_file():
-        import yaml
-
-        cfg = from_dict(RunConfig, yaml.safe_load(run_config.read_text()), str(run_config))
+        cfg = from_dict(RunConfig, read_yaml(run_config), str(run_config))
         adapter_dir = source / "adapter"
         if not (adapter_dir / ADAPTER_CONFIG).is_file():
             raise ValueError(f"{source}: the run has no adapter/ yet (it writes one when it ends); export a "

@@ -5,9 +5,8 @@ import json
 from pathlib import Path
 
 import torch
-import yaml
 
-from gapless.config import RunConfig, from_dict
+from gapless.config import RunConfig, from_dict, read_yaml
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import load_model, resolve_dtype
 from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, save_adapter
@@ -20,7 +19,7 @@ def run_config_of(run_dir: Path) -> RunConfig:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{path}: not found; is {run_dir} a gapless run folder?")
-    return from_dict(RunConfig, yaml.safe_load(path.read_text()), str(path))
+    return from_dict(RunConfig, read_yaml(path), str(path))
 
 
 def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
