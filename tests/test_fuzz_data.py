@@ -80,6 +80,7 @@ CORPUS = {
     "json_array_not_utf8": (".json", b'[\n' + line(GOOD).encode() + b',\n{"messages": "\xff"}]', "messages", "file"),
     "binary_json": (".json", b"\x00\x01\x02" * 100, "messages", "file"),
     "csv_not_utf8": (".csv", b"prompt,completion\nab,cd\n\xff\xfe,x\n", "prompt_completion", "file"),
+    "csv_extra_cell": (".csv", b"prompt,completion\na,b\ne,f,g\nc,d\nh,i\nj,k\n", "prompt_completion", "record"),
     "csv_huge_cell": (".csv", b"prompt,completion\n" + b"a" * 200_000 + b",b\n", "prompt_completion", "file"),
     "corrupt_parquet": (".parquet", b"PAR1" + os.urandom(300), "messages", "file"),
     "wrong_suffix_txt": (".txt", line(GOOD).encode(), "messages", "file"),

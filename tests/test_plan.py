@@ -225,6 +225,19 @@ def test_measured_rate_from_a_run_folder(tmp_path):
         measured_from_run(tmp_path)
 
 
+def test_measured_rate_leaves_out_a_torn_last_line(tmp_path):
+    """A run killed mid-write (`plan --run`, doctor's step time): the torn last record is left out, as the report
+    does; a broken line before the last is an error at file:line, not json's bare message."""
+    from gapless.diagnosis.plan import measured_from_run
+
+    lines = [json.dumps({"step": s, "loss": 2.0, "tokens_per_s": 30_000.0}) for s in (10, 20, 30)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 40, "loss": 1.9, "tok')
+    assert measured_from_run(tmp_path) == (30_000.0, None)
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + '\n{"step": 20, "lo\n' + lines[2] + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):
+        measured_from_run(tmp_path)
+
+
 @pytest.mark.gpu
 def test_plan_uses_the_measured_peak_of_the_gpu_here(tmp_path):
     import torch

@@ -46,6 +46,8 @@ def run_data(args) -> int:
     from gapless.data.pipeline import inspect
     from gapless.data.summary import data_config_from_inputs
 
+    if args.example < 0:
+        raise ValueError(f"--example: {args.example}; give the number of a document, from 0")
     cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides, format=args.format)
     inspect(cfg, as_json=args.json, example=args.example)
     return 0
@@ -60,7 +62,7 @@ def register_train(sub) -> None:
                                    "(e.g. train.steps=100 lora.r=8). Writes the run folder: config.yaml, "
                                    "metrics.jsonl, checkpoints/ and the adapter.")
     p.add_argument("config", help="the run's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the predicted peak memory, tokens per step, steps "
                    "and time, then stop (no weights are loaded)")
@@ -84,6 +86,11 @@ def run_train(args) -> int:
     from gapless.train.runlock import output_dir_overrides
 
     started = process_start()
+    for value, flag in ((args.gpu_gib, "--gpu-gib"), (args.tokens_per_s, "--tokens-per-s")):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag}: {value}; give a positive number")
+        if value is not None and not args.dry_run:
+            print(f"gapless train: warning: {flag} is read by --dry-run only; ignored", file=sys.stderr)
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     if not launched_by_torchrun():  # ranks get the launcher's output_dir (a time in its name would differ by rank)
         overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
@@ -174,6 +181,8 @@ def register_demo(sub) -> None:
 def run_demo(args) -> int:
     from gapless.demo import run_demo as demo
 
+    if args.steps < 1:  # train.steps 0 would mean a pass over the data, not no training
+        raise ValueError(f"--steps: {args.steps}; give the optimizer steps to train, e.g. 400")
     summary = demo(args.out, steps=args.steps)
     return 0 if summary["accuracy_after"] > summary["accuracy_before"] else 1
 
@@ -280,7 +289,8 @@ def register_gap(sub) -> None:
                                    "gap.json, gap.png and gap.html. See gapless/diagnosis/gap.py for what is measured.")
     p.add_argument("target", metavar="CONFIG_OR_RUN",
                    help="a YAML config, or a run folder (its config.yaml; its gap.json and report.html are updated)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="measured steps per window, after 1 warm-up step (default 20)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -308,7 +318,8 @@ def register_doctor(sub) -> None:
     p.add_argument("config", nargs="?", metavar="CONFIG_OR_RUN",
                    help="the run's YAML config, or a run folder (its config.yaml, plus what its metrics and GPU "
                         "samples show); without it, the environment only")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batching=padded")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.batching=padded")
     p.add_argument("--json", action="store_true", help="print one JSON object (findings with ids) instead of the table")
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="the GPUs (processes) the run will use, as "
                    "`gapless train --nproc N` (default WORLD_SIZE under torchrun, else 1)")
@@ -356,7 +367,7 @@ def register_plan(sub) -> None:
                                    "gradient or FSDP2 parameter traffic over the link) and GPU-hours on each GPU "
                                    "choice, and say where more GPUs stop paying. See gapless/diagnosis/plan.py.")
     p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
     p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp2"],
                    help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA)")
@@ -386,7 +397,7 @@ def register_compare_precision(sub) -> None:
                                    "scaler); print the loss differences and tokens/s; write precision.html with the "
                                    "curves. See gapless/diagnosis/precision.py.")
     p.add_argument("config", help="the run's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (default 50)")
     p.add_argument("--out", default="runs/compare-precision", metavar="DIR", help="where the runs and the page go")
     p.add_argument("--variants", default="fp32,tf32,bf16,fp16", help="comma-separated subset of fp32,tf32,bf16,fp16")
@@ -396,6 +407,8 @@ def register_compare_precision(sub) -> None:
 def run_compare_precision(args) -> int:
     from gapless.diagnosis.precision import VARIANTS, compare_precision, format_comparison
 
+    if args.steps < 1:
+        raise ValueError(f"--steps: {args.steps}; give the optimizer steps of each variant, e.g. 50")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -427,6 +440,13 @@ def _load_generation(args):
     from gapless.convert import check_local
     from gapless.model.generate import load_for_generation, stop_ids
 
+    # before the model is loaded (minutes for a large one), not after
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens}; give the most tokens to generate, e.g. 256")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: {args.temperature}; give 0 (greedy) or more (sampled, e.g. 0.7)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p: {args.top_p}; give the nucleus mass in (0, 1], e.g. 0.9 (1 turns it off)")
     for value, name in ((args.source, "RUN_OR_MODEL"), (args.base, "--base")):
         error = check_local(value, name, "the model")
         if error:
@@ -497,7 +517,12 @@ def run_chat(args) -> int:
             messages = list(start)
             continue
         messages.append({"role": "user", "content": line})
-        text, gen = _reply(args, loaded, stop, messages)
+        try:
+            text, gen = _reply(args, loaded, stop, messages)
+        except ValueError as e:  # e.g. a character the tokenizer cannot encode: say so, keep the conversation
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": text})
         print(f"model> {text}")
         print(_stats(gen), file=sys.stderr)
@@ -525,6 +550,8 @@ def run_eval(args) -> int:
 
     if not args.data and not args.gsm8k:
         raise ValueError("eval: give --data PATH (loss, perplexity) and/or --gsm8k FILE (exact match)")
+    if args.gsm8k and (args.limit < 1 or args.max_new_tokens < 1):
+        raise ValueError(f"--limit {args.limit}, --max-new-tokens {args.max_new_tokens}: give at least 1 of each")
     results = evaluate_run(args.run, data=args.data, gsm8k=args.gsm8k, limit=args.limit,
                            max_new_tokens=args.max_new_tokens, device=args.device)
     for r in results:
@@ -539,6 +566,11 @@ def run_eval(args) -> int:
 
 
 COMMANDS += [register_generate, register_chat, register_eval]
+
+
+# GAPLESS_DEBUG=1: a user's mistake (ValueError) or a file error (OSError) raises with its traceback instead of the
+# one line
+DEBUG = "GAPLESS_DEBUG"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,8 +588,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # the user's mistakes: one clear line, no traceback
+        if os.environ.get(DEBUG):
+            raise
         print(f"gapless {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be written or read (a missing parent, a full disk): it names the file
+        if os.environ.get(DEBUG):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"gapless {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops cleanly on its own)
         print(f"gapless {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -569,10 +609,14 @@ def entry() -> None:
     (its clock would otherwise disagree with one outside the process by that much). Everything is written and
     closed by then; the standard streams are flushed here. Before anything heavy is imported, the imports' bytecode
     is kept in gapless's cache where Python would compile it again on every start (gapless.bytecode)."""
-    from gapless.bytecode import cache_bytecode
+    try:
+        from gapless.bytecode import cache_bytecode
 
-    cache_bytecode()
-    code = main()
+        cache_bytecode()
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before main's own handler is in place (imports, parsing the arguments)
+        print("gapless: interrupted", file=sys.stderr)
+        code = 130
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -243,6 +243,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected true or false, got {value!r}")
         return value
     if tp is int:
+        # what the user meant: `16.0`, and `1e3` or `"100"` (strings to YAML 1.1), name whole numbers
+        number = float(value) if isinstance(value, str) and _FLOAT.fullmatch(value.strip()) else value
+        if isinstance(number, float) and number.is_integer():
+            return int(value) if isinstance(value, str) and value.strip().lstrip("+-").isdigit() else int(number)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{where}: expected an integer, got {value!r}")
         return value
@@ -260,6 +264,16 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     raise AssertionError(f"unsupported config type {tp} at {where}")
 
 
+# Other tools' names for fields (PEFT, transformers' TrainingArguments), too far from ours for difflib to suggest
+KEY_ALIASES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+               "lora_target_modules": "target_modules", "learning_rate": "lr", "max_grad_norm": "grad_clip",
+               "max_steps": "steps", "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum",
+               "logging_steps": "log_every", "eval_steps": "eval_every", "save_steps": "every",
+               "save_total_limit": "keep", "max_length": "max_seq_len", "sequence_len": "max_seq_len",
+               "model_name_or_path": "path", "torch_dtype": "dtype", "lr_scheduler_type": "kind",
+               "gradient_checkpointing": "activation_checkpointing"}
+
+
 def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     """Build dataclass `cls` from a plain mapping; every error names the dotted field."""
     if isinstance(data, cls):
@@ -271,7 +285,8 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     errors: list[str] = []  # all of them, so one run of the command shows every mistake
     for k in data:
         if k not in fields:
-            hint = difflib.get_close_matches(str(k), list(fields), n=1)
+            alias = KEY_ALIASES.get(str(k))
+            hint = [alias] if alias in fields else difflib.get_close_matches(str(k), list(fields), n=1)
             errors.append(f"{where}.{k}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
                           + f" ({cls.__name__} has: {', '.join(fields)})")
     kwargs = {}
@@ -316,6 +331,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                              "quote it, e.g. key='{{ ... }}'") from None
         node = data
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ValueError(f"override {item!r}: the key has an empty part; write the dotted field, e.g. lora.r=16")
 
         def index(i: int) -> int:  # node is a list: parts[i] must name one of its entries
             if not parts[i].isdigit() or int(parts[i]) >= len(node):
@@ -359,14 +376,29 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(name: str, setting: str) -> None:
+    """A device gapless runs on, by name (`cudax` or `gpu` would otherwise fail in torch.device)."""
+    if not DEVICE.fullmatch(name):
+        raise ValueError(f"{setting}: {name!r} is not one of auto, cpu, cuda, cuda:N")
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        inside = path / "config.yaml"
+        raise ValueError(f"{path}: a folder, not a config file; give the YAML config"
+                         + (f" (a run folder's is {inside})" if inside.is_file() else ""))
     if not path.is_file():
         raise ValueError(f"{path}: config file not found")
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+        tab = "'\\t'" in str(e)  # PyYAML: "found character '\t' that cannot start any token"
+        hint = "\nYAML indents with spaces, not tabs; replace the tab with spaces" if tab else ""
+        raise ValueError(f"{path}: not valid YAML: {e}{hint}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a text file (byte 0x{e.object[e.start]:02x} at {e.start} is not UTF-8); "
                          "give the run's YAML config") from None
@@ -510,8 +542,7 @@ class ModelConfig:
                              f"got {self.activation_checkpointing}")
         if not self.path.strip():
             raise ValueError(f"{where}.path: empty; give the folder of an HF checkpoint (config.json + *.safetensors)")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"{where}.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        check_device(self.device, f"{where}.device")
         from gapless.kernels.attention import backend_names
 
         if self.attn_backend not in ["auto", *backend_names()]:

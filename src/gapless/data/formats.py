@@ -244,7 +244,13 @@ def _csv_rows(file: Path):
             reader.fieldnames  # reads the header line(s)
             start = reader.line_num + 1
             for row in reader:
-                yield f"{file}:{start}", row  # the line the record starts on (quoted cells may span lines)
+                where = f"{file}:{start}"  # the line the record starts on (quoted cells may span lines)
+                if None in row:  # DictReader puts the cells past the header's columns under the key None
+                    yield where, RecordError(where, None, BAD_VALUE, f"{len(row) - 1 + len(row[None])} cells, the "
+                                             f"header has {len(reader.fieldnames)} columns; quote a cell that holds "
+                                             "a comma")
+                else:
+                    yield where, row
                 start = reader.line_num + 1
         except UnicodeDecodeError as e:  # a CSV reader cannot resynchronise after a bad byte: not skippable
             raise ValueError(f"{file}: not UTF-8 text (byte 0x{e.object[e.start]:02x}) after line {start - 1}; "

@@ -185,7 +185,9 @@ def inspect(cfg: DataConfig, *, as_json: bool = False, example: int = 0, histogr
         print()
         print(length_histogram(mix.lengths))
     if len(mix):
-        i = min(max(example, 0), len(mix) - 1)
+        if not 0 <= example < len(mix):
+            raise ValueError(f"--example: {example}; the data has {len(mix):,} documents, give 0 to {len(mix) - 1}")
+        i = example
         ids, mask = mix.doc(i)
         tokenizer = load_tokenizer(cfg.tokenizer)
         print(f"\nexample {i} ({len(ids):,} tokens, {int(mask[1:].sum()):,} trained, "

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
+
+from gapless.config import read_yaml
 
 # The distributions whose version changes what a run computes or how fast (module name -> distribution name).
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "safetensors", "numpy", "triton",
@@ -190,9 +191,12 @@ _NOISE = ("executable", "output_dir", "gapless.path")
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict:
     """What differs between two run folders: their environment.json and their config.yaml."""
+    for run in (run_a, run_b):
+        if not Path(run).is_dir():
+            raise ValueError(f"--compare: {run} is not a folder; give two run folders (their output_dir)")
     out = {}
     for name, read in (("environment", lambda p: json.loads(p.read_text())),
-                       ("config", lambda p: yaml.safe_load(p.read_text()) or {})):
+                       ("config", read_yaml)):
         file = "environment.json" if name == "environment" else "config.yaml"
         pa, pb = Path(run_a) / file, Path(run_b) / file
         missing = [str(p) for p in (pa, pb) if not p.is_file()]

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from gapless.meter.flops import lora_weights, matmul_weights, step_flops
+from gapless.meter.monitor import load_samples
 from gapless.model.decoder import ModelArgs
 
 
@@ -547,8 +548,8 @@ def measured_from_run(run_dir: str | Path) -> tuple[float, str | None]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} not found; give a run folder that has trained")
-    rates = [r["tokens_per_s"] for r in map(json.loads, path.read_text().splitlines())
-             if "loss" in r and r.get("tokens_per_s")]
+    # a run killed mid-write leaves a torn last line: left out, as the report does
+    rates = [r["tokens_per_s"] for r in load_samples(path) if "loss" in r and r.get("tokens_per_s")]
     if len(rates) < 2:
         raise ValueError(f"{path} has {len(rates)} logged training window{'s' * (len(rates) != 1)}; need at least "
                          "2 (the first holds the compile)")

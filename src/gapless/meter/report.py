@@ -54,8 +54,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from gapless.config import read_yaml
 from gapless.meter.monitor import Finding, diagnose, load_samples, summarise
 from gapless.meter.timeline import CATEGORIES, LABELS, session_totals
 
@@ -90,7 +89,7 @@ def read_run(run_dir: str | Path, pending: list[dict] = ()) -> Run:
     if not metrics.is_file():
         raise ValueError(f"{path}: no metrics.jsonl here; give the folder of a run (its output_dir)")
     config_file = path / "config.yaml"
-    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
+    config = read_yaml(config_file) if config_file.is_file() else {}
     run = Run(path, config)
     train: dict[int, dict] = {}
     for r in [*load_samples(metrics), *pending]:  # JSON lines, a torn last line left out

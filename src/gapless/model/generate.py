@@ -152,9 +152,10 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
     its adapter_config.json names), or a gapless run folder (its adapter/ on its config's model.path)."""
     from transformers import AutoTokenizer
 
-    from gapless.config import RunConfig, from_dict
+    from gapless.config import RunConfig, from_dict, read_yaml
     from gapless.model.loading import load_model
     from gapless.model.lora import ADAPTER_CONFIG, load_adapter
+    from gapless.train.loop import resolve_device
 
     source = Path(source)
     run_config = source / "config.yaml"
@@ -165,9 +166,7 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         adapter_dir = source
         base_dir = Path(base or json.loads((source / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
     elif run_config.is_file():
-        import yaml
-
-        cfg = from_dict(RunConfig, yaml.safe_load(run_config.read_text()), str(run_config))
+        cfg = from_dict(RunConfig, read_yaml(run_config), str(run_config))
         tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
         if cfg.method == "full":  # every weight trained: the run's final save is an HF folder, model/
             base_dir = source / "model"
@@ -184,6 +183,11 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
                 raise ValueError(f"{source}: the run has no adapter/ yet (it writes one when it ends); export a "
                                  f"checkpoint first: gapless export {source}/checkpoints/step-N --out DIR")
             base_dir = Path(base or cfg.model.path)
+    elif not source.exists():
+        raise ValueError(f"{source}: not found; give a run folder, an adapter folder or a model folder")
+    elif (source / "manifest.json").is_file():
+        raise ValueError(f"{source}: a training checkpoint; export it first (gapless export {source} --out DIR) and "
+                         "generate from DIR")
     else:
         raise ValueError(f"{source}: not a model folder (config.json), an adapter folder ({ADAPTER_CONFIG}) or a "
                          "gapless run folder (config.yaml)")
@@ -193,8 +197,7 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
                                                                                    "tokenizer_config.json")):
         tokenizer_dir = adapter_dir if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file() \
             else base_dir
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device(device, "--device"))
     model = load_model(base_dir, dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
                        device=device)
     what = f"model {base_dir}"
@@ -218,12 +221,18 @@ def stop_ids(tokenizer, model) -> set[int]:
 
 def encode_chat(tokenizer, messages: list[dict], raw: bool = False) -> list[int]:
     """The prompt's token ids: the chat template with the assistant's turn opened, or the text as is (`raw`)."""
-    if raw:
-        return tokenizer(messages[-1]["content"], add_special_tokens=True)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
+    if not raw and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass --raw to continue plain text")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    try:
+        if raw:
+            return tokenizer(messages[-1]["content"], add_special_tokens=True)["input_ids"]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        # e.g. a character outside a vocabulary without an unknown token (the demo's character tokenizer)
+        if type(e) is not Exception:
+            raise
+        raise ValueError(f"the tokenizer cannot encode the prompt: {e}") from None
 
 
 def decode(tokenizer, gen: Generation) -> str:

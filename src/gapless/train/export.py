@@ -5,9 +5,8 @@ import json
 from pathlib import Path
 
 import torch
-import yaml
 
-from gapless.config import RunConfig, from_dict
+from gapless.config import RunConfig, from_dict, read_yaml
 from gapless.model.export import copy_tokenizer_files, save_pretrained
 from gapless.model.loading import load_model, resolve_dtype
 from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, save_adapter
@@ -20,11 +19,13 @@ def run_config_of(run_dir: Path) -> RunConfig:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{path}: not found; is {run_dir} a gapless run folder?")
-    return from_dict(RunConfig, yaml.safe_load(path.read_text()), str(path))
+    return from_dict(RunConfig, read_yaml(path), str(path))
 
 
 def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
     """(adapter folder or None, checkpoint folder or None, run folder) for what the user named."""
+    if not source.exists():
+        raise ValueError(f"{source}: not found; give a run folder, its adapter/ or checkpoints/step-N")
     if (source / ADAPTER_CONFIG).is_file():
         return source, None, source.parent
     if (source / "manifest.json").is_file():  # runs/x/checkpoints/step-N

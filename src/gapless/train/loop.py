@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from gapless.config import RunConfig, to_dict
+from gapless.config import RunConfig, check_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
@@ -61,6 +61,7 @@ from gapless.train.step import loss_sum, train_step
 
 def resolve_device(name: str, setting: str = "model.device") -> torch.device:
     """`auto` is CUDA when available; `setting` names where the user chose it, for the error."""
+    check_device(name, setting)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

@@ -23,8 +23,6 @@ import socket
 import time
 from pathlib import Path
 
-import yaml
-
 from gapless.config import read_yaml
 
 LOCK = ".lock"
@@ -148,7 +146,7 @@ def check_resume(saved: dict, new: dict) -> dict[str, tuple]:
 
 def read_saved_config(run_dir: str | Path) -> dict | None:
     path = Path(run_dir) / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
+    return read_yaml(path) if path.is_file() else None  # a hand-edited file that broke: its line
 
 
 def default_output_dir(config_path: str | Path, *, resume: bool, root: str | Path = "runs",
