@@ -2,11 +2,12 @@
 
 No Gemma tokenizer is on disk, so the test tokenizer is the shared Llama 3 one with Gemma's two turn markers
 added as special tokens, as they are in Gemma's own tokenizer (`<start_of_turn>` = 105, `<end_of_turn>` = 106).
-The template is Gemma 3's (google/gemma-3-4b-it's chat_template, text parts): a system prompt is folded into the
+The template is Gemma 3's (google/gemma-3-4b-it's chat_template, tests/chat_templates.py): a system prompt is folded into the
 first user turn, the assistant's role is written "model", content is trimmed, and every turn ends with
 "<end_of_turn>\\n". Trained: exactly each answer and its `<end_of_turn>`; never the generation prompt
 `<start_of_turn>model\\n`, the user turns, or the newline after `<end_of_turn>`.
 """
+import chat_templates
 import numpy as np
 import pytest
 
@@ -14,31 +15,7 @@ from gapless.config import SourceConfig
 from gapless.data.formats import Example, read_source
 from gapless.data.tokenize import Encoder, load_tokenizer
 
-GEMMA_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {{- message['content'] | trim }}
-    {{- '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+GEMMA_TEMPLATE = chat_templates.GEMMA3  # google/gemma-3-4b-it's, as tests/chat_templates.py holds it
 
 
 @pytest.fixture(scope="module")
