@@ -90,7 +90,7 @@ from gapless.model.loading import DTYPES, model_args_from_config, read_config
 from gapless.model.method import Full, Lora, Method, Qlora
 from gapless.train.assemble import assemble, random_tensors
 from gapless.train.compile import frames_not_compiled
-from gapless.train.loop import resolve_device
+from gapless.config import resolve_device
 from gapless.train.optim import MasterWeights, build_optimizer
 from gapless.train.step import train_step
 

@@ -385,6 +385,20 @@ def check_device(name: str, setting: str) -> None:
         raise ValueError(f"{setting}: {name!r} is not one of auto, cpu, cuda, cuda:N")
 
 
+def resolve_device(name: str, setting: str = "model.device"):
+    """The torch.device a name gives: `auto` is CUDA when available; `setting` names where the user chose it, for
+    the error. torch is imported here, not at the top: the CLI reads configs before it needs torch."""
+    import torch
+
+    check_device(name, setting)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{setting}: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+    return device
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():

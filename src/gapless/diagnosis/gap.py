@@ -306,7 +306,8 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     (run_startup_s) for the start-up factor, instead of a window's."""
     from gapless.data.batching import BatchSampler
     from gapless.data.pipeline import build_data
-    from gapless.train.loop import resolve_auto, resolve_device, total_steps
+    from gapless.config import resolve_device
+    from gapless.train.loop import resolve_auto, total_steps
     from gapless.train.checkpoint_interval import choose_interval
 
     if steps < 2:

@@ -152,10 +152,9 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
     its adapter_config.json names), or a gapless run folder (its adapter/ on its config's model.path)."""
     from transformers import AutoTokenizer
 
-    from gapless.config import RunConfig, from_dict, read_yaml
+    from gapless.config import RunConfig, from_dict, read_yaml, resolve_device
     from gapless.model.loading import load_model
     from gapless.model.lora import ADAPTER_CONFIG, load_adapter
-    from gapless.train.loop import resolve_device
 
     source = Path(source)
     run_config = source / "config.yaml"

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from gapless.config import RunConfig, check_device, to_dict
+from gapless.config import RunConfig, resolve_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
@@ -57,17 +57,6 @@ from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
 from gapless.train.runlock import RunLock, check_resume, prepare_run_dir, read_saved_config
 from gapless.train.step import loss_sum, train_step
-
-
-def resolve_device(name: str, setting: str = "model.device") -> torch.device:
-    """`auto` is CUDA when available; `setting` names where the user chose it, for the error."""
-    check_device(name, setting)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{setting}: {name!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
-    return device
 
 
 def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str | None]:
