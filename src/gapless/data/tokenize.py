@@ -155,13 +155,16 @@ class Encoder:
         """A tool call as the template expects it: OpenAI-style `tool_calls` (arguments as an object) when it renders
         those, else the turn's text. A template that never mentions `tool_calls` drops them: an assistant turn of calls alone would train an
         empty answer, so its calls become its content, one JSON object {"name", "arguments"} a line (the form of
-        the is_tool_call turns of ShareGPT/glaive data), after any text it has."""
+        the is_tool_call turns of ShareGPT/glaive data), after any text it has. Calls the template renders keep
+        their place, with a null content as "" and JSON-string arguments parsed."""
         if m.get("tool_calls") and not self.renders_tool_calls:
             calls = [json.dumps(_name_and_arguments(call), ensure_ascii=False) for call in m["tool_calls"]]
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
         if m.get("tool_calls") and self.renders_tool_calls and isinstance(m["tool_calls"], list):
-            return {**m, "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
+            # content null beside calls (OpenAI's form) as "": Qwen3's template reads `'</think>' in content`
+            return {**m, "content": m.get("content") or "",
+                    "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
         if not (m.get("is_tool_call") and self.renders_tool_calls and "tool_calls" not in m):
             return m
         try:
