@@ -298,3 +298,37 @@ def test_openai_tool_calls_with_json_string_arguments_train_the_arguments_as_jso
     for ex, ids, mask, ids2, mask2 in zip(glaive, a.ids, a.mask, b.ids, b.mask):
         assert trained_runs(tok, ids2, mask2) == trained_runs(tok, ids, mask), ex.where
         assert ids2.tolist() == ids.tolist() and mask2.tolist() == mask.tolist(), ex.where
+
+
+def test_named_template_sets_render_records_with_tools_with_tool_use(shared, tmp_path):
+    """A tokenizer with named template sets (tokenizer_config.json's chat_template as [{name, template}], as
+    Command-R and Hermes ship): apply_chat_template picks `tool_use` for a call with tools and `default` otherwise.
+    gapless used `default` for every record, so the tools of a record were dropped (counted tools_not_rendered) and
+    its document was not the tokenizer's own."""
+    folder = tokenizer_folder(shared, tmp_path / "sets", "qwen25")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    default = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
+               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    settings["chat_template"] = [{"name": "default", "template": default},
+                                 {"name": "tool_use", "template": chat_templates.QWEN25}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = load_tokenizer(folder)
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    records = list(read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl"))))[:40]
+    with_tools = [ex for ex in records if ex.tools][:6]
+    without = [ex for ex in sample(shared) if plain(ex)][:6]
+    assert len(with_tools) == len(without) == 6
+    chunk = enc.encode_chunk(with_tools + without)
+    assert not chunk.errors and "tools_not_rendered" not in chunk.counts and len(chunk.ids) == 12
+    for ex, ids in zip(with_tools + without, chunk.ids):
+        chosen = enc.tool_use if ex.tools else enc
+        messages = [chosen._for_template(m) for m in ex.messages]
+        own = tok.apply_chat_template(messages, tools=ex.tools or None, tokenize=True)
+        assert ids.tolist() == list(own["input_ids"] if hasattr(own, "keys") else own), ex.where
+    assert "<tools>" in tok.decode(chunk.ids[0].tolist()) and "<tools>" not in tok.decode(chunk.ids[-1].tolist())
+
+
+def test_named_template_sets_without_default_are_refused(shared, tokenizers):
+    tok = tokenizers["qwen25"]
+    with pytest.raises(ValueError, match=r"chat templates are named \['rag', 'tool_use'\], none of them 'default'"):
+        Encoder(tok, {"tool_use": "x", "rag": "y"}, max_seq_len=64, train_on="assistant", overlong="truncate")

@@ -79,10 +79,10 @@ def read_chat_template(setting: str | None) -> str | None:
     return path.read_text()
 
 
-def tokenizer_template(tokenizer) -> str | None:
-    """The tokenizer folder's own chat template (chat_template.jinja or tokenizer_config.json), if any."""
-    template = tokenizer.chat_template
-    return template.get("default") if isinstance(template, dict) else template
+def tokenizer_template(tokenizer) -> str | dict[str, str] | None:
+    """The tokenizer folder's own chat template (chat_template.jinja or tokenizer_config.json), if any: one Jinja
+    text, or named sets ({"default": ..., "tool_use": ...}: Command-R, Hermes), which Encoder chooses from."""
+    return tokenizer.chat_template
 
 
 @dataclass
@@ -133,7 +133,20 @@ def _arguments_parsed(call):
 class Encoder:
     """Example -> documents of (token ids, loss mask) under one tokenizer, template and settings."""
 
-    def __init__(self, tokenizer, chat_template: str | None, *, max_seq_len: int, train_on: str, overlong: str):
+    def __init__(self, tokenizer, chat_template: str | dict[str, str] | None, *, max_seq_len: int, train_on: str,
+                 overlong: str):
+        self.sets = chat_template  # as given, for the workers that build their own (_init_worker)
+        self.tool_use: Encoder | None = None
+        if isinstance(chat_template, dict):
+            # named template sets: as transformers' apply_chat_template picks, `tool_use` renders the records that
+            # have tools (this encoder hands them to self.tool_use), `default` the others
+            if "default" not in chat_template:
+                raise ValueError(f"the tokenizer's chat templates are named {sorted(chat_template)}, none of them "
+                                 "'default'; set data.chat_template to the one to train with")
+            if "tool_use" in chat_template:
+                self.tool_use = Encoder(tokenizer, chat_template["tool_use"], max_seq_len=max_seq_len,
+                                        train_on=train_on, overlong=overlong)
+            chat_template = chat_template["default"]
         self.tok, self.template = tokenizer, chat_template
         self.max_seq_len, self.train_on, self.overlong = max_seq_len, train_on, overlong
         self.special = np.zeros(len(tokenizer), bool)  # token id -> is a special (added) token
@@ -182,6 +195,8 @@ class Encoder:
         if self.template is None:
             raise ValueError(f"{ex.where}: the tokenizer has no chat template; set data.chat_template "
                              "(inline Jinja or a .jinja file)")
+        if ex.tools and self.tool_use is not None:
+            return self.tool_use.chat_text(ex, counts)
         messages = [self._for_template(m) for m in ex.messages]
         if not self.renders_tool_calls and any(m.get("tool_calls") for m in ex.messages):
             counts["tool_calls_as_text"] += 1
@@ -405,7 +420,8 @@ class Tokenizing:
     its shutdown takes the task queue's read lock, which an idle worker blocked in recv() holds.)
     """
 
-    def __init__(self, tokenizer_dir: Path, chat_template: str | None, settings: dict, num_workers: int):
+    def __init__(self, tokenizer_dir: Path, chat_template: str | dict[str, str] | None, settings: dict,
+                 num_workers: int):
         self.folder, self.chat_template, self.settings = tokenizer_dir, chat_template, settings
         self.num_workers = num_workers
         self.pool: ProcessPoolExecutor | None = None
@@ -429,7 +445,7 @@ class Tokenizing:
             # setting the variable before forking also silences its "forked after parallelism" notice.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             context = multiprocessing.get_context("fork" if fork else "spawn")
-            args = self.local if fork else (str(self.folder), self.local.template, self.settings)
+            args = self.local if fork else (str(self.folder), self.local.sets, self.settings)
             self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_init_worker,
                                             initargs=(args,))
         return self._in_order(itertools.chain(head, chunks))
