@@ -47,6 +47,15 @@ def test_config_path_mistakes(tmp_path, capsys):
     tab.write_text("model:\n\tpath: m\n")
     code, err = error_of(capsys, "train", str(tab))
     assert code == 2 and "line 2" in err and "YAML indents with spaces, not tabs" in err
+    for text in ("", "# model: {path: m}\n"):  # empty, or comments only: said so, not two missing fields
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        for command in ("train", "plan", "doctor"):
+            code, err = error_of(capsys, command, str(empty))
+            assert code == 2 and f"{empty}: holds no settings (empty, or comments only)" in err, (command, err)
+            assert "required field" not in err
+    code, err = error_of(capsys, "plan", str(empty), "model.path=m")  # its settings given as overrides instead
+    assert code == 2 and "data: required field is missing" in err
 
 
 def test_an_override_with_an_empty_key_part(tmp_path):

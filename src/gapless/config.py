@@ -699,10 +699,20 @@ class RunConfig:
                           stacklevel=2)
 
 
+def require_settings(raw: dict, path: str | Path, overrides: list[str] | tuple[str, ...]) -> None:
+    """An empty config file (or one of comments only), its model and data not given as overrides either: said as
+    such, not as two missing fields."""
+    if not raw and not any(o.split("=", 1)[0].strip().startswith(("model", "data")) for o in overrides):
+        raise ValueError(f"{path}: holds no settings (empty, or comments only); a run needs at least model.path and "
+                         "data.sources, as in examples/llama-3.2-3b-lora.yaml of gapless's repository")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 data: dict | None = None) -> RunConfig:
     """The run config from a YAML file (or a dict) with dotted `key=value` overrides applied."""
     raw = read_yaml(path) if path is not None else dict(data or {})
+    if path is not None:
+        require_settings(raw, path, overrides)
     raw = apply_overrides(raw, list(overrides))
     where = str(path) if path is not None else "config"
     return from_dict(RunConfig, raw, where)

@@ -874,9 +874,10 @@ def load_any(path: str | Path, overrides: list[str] = (), out=None) -> RunConfig
     mapping a conversion applied to `out` (stderr by default)."""
     import sys
 
-    from gapless.config import load_config, read_yaml
+    from gapless.config import load_config, read_yaml, require_settings
 
     raw = read_yaml(path)
+    require_settings(raw, path, overrides)
     fmt = detect(raw)
     if fmt == "gapless":
         return load_config(path, overrides)
