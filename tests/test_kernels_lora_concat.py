@@ -227,10 +227,13 @@ def test_assemble_builds_the_buffers_after_loading(hf_checkpoint):
     assert torch.equal(layer.up_proj.lora_concat[-4:], layer.up_proj.lora_A.weight)
 
 
-def test_concat_layers_share_one_compiled_graph():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_concat_layers_share_one_compiled_graph(dropout):
     """compile_layers over 4 decoder layers with the concat kernel: no more graphs than the reference kernel (one
-    per layer signature), nothing left eager, and the compiled gradients equal the eager ones."""
+    per layer signature), nothing left eager, and the compiled gradients equal the eager ones; under dropout too
+    (the frozen weights stacked alone; inductor draws the masks with torch's generator, fallback_random)."""
     from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
 
     from gapless.model.decoder import CausalLM, ModelArgs
     args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -241,21 +244,27 @@ def test_concat_layers_share_one_compiled_graph():
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        model = apply_lora(CausalLM(args), LoraConfig(r=4, kernel=kernel))
+        model = apply_lora(CausalLM(args), LoraConfig(r=4, kernel=kernel, dropout=dropout))
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, LoraLinear):
                     m.lora_B.weight.normal_(0, 0.1)
-        assert (model.model.layers[0].mlp.down_proj.lora_concat is not None) == (kernel == "concat")
+        concat = kernel == "concat"
+        assert (model.model.layers[0].mlp.gate_proj.lora_concat is not None) == concat
+        assert (model.model.layers[0].mlp.down_proj.lora_concat is not None) == (concat and not dropout)
         if compiled:
             model = compile_layers(model)
-        model(ids).sum().backward()
+        torch.manual_seed(1)
+        with inductor_config.patch(fallback_random=True):
+            model(ids).sum().backward()
         graphs[kernel, compiled] = counters["stats"]["unique_graphs"]
         assert frames_not_compiled() == 0
         grads[kernel, compiled] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert graphs["concat", True] == graphs["reference", True] <= 2, graphs
+    # inductor fuses the dropout's scaling into other ops: float32 rounding up to ~2e-5 on a few elements
+    tol = TOL if not dropout else dict(atol=1e-4, rtol=1e-4)
     for name, grad in grads["concat", False].items():
-        assert_close(grads["concat", True][name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(grads["concat", True][name], grad, **tol, msg=lambda m: f"{name}: {m}")
 
 
 def tiny_decoder(kernel: str, device="cpu", dtype=torch.float32):
