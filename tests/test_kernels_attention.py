@@ -259,3 +259,18 @@ def test_auto_backend_picks_fa4_op_where_flash_attn_4_imports(monkeypatch):
     capability["value"] = (8, 0)
     assert choose_backend(cuda, torch.bfloat16, packed=True) == (
         "varlen", "flash-attn-4 is not used for compute capability 8.0")
+
+
+def test_varlen_names_the_document_limit_of_one_call(monkeypatch):
+    """More documents in one micro-batch than flash attention's grid takes (65,535): a ValueError that names
+    data.tokens_per_batch, where the kernel failed with "CUDA error: invalid argument" (the batch finder's trial of a
+    tiny model on the H200). On the CPU the backend refuses the tensors first, so its packing step is bypassed here."""
+    import gapless.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_flat_packed", lambda name, q, k, v, cu, max_seqlen, *rest: (q, k, v, cu, 1))
+    varlen = attention.get_attention("varlen")
+    n = attention.MAX_VARLEN_DOCUMENTS + 1
+    q = torch.zeros(n, 2, 8)
+    with pytest.raises(ValueError, match=r"65,536 documents in one micro-batch, over the 65,535 .* lower "
+                                         r"data.tokens_per_batch"):
+        varlen(q, q, q, cu_seqlens=torch.arange(n + 1, dtype=torch.int32), max_seqlen=1)

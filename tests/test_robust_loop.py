@@ -397,9 +397,10 @@ def test_the_fused_cuda_adamw_skips_a_nonfinite_step_on_the_device():
     after_good = p.detach().clone()
     moments = opt.state[p]["exp_avg"].clone()
     p.grad = torch.full_like(p, float("nan"))
+    norm = torch.full((), float("nan"), device="cuda")  # made before the check: torch.tensor(x, device=) copies
     torch.cuda.set_sync_debug_mode("error")  # any host sync in the guarded step raises
     try:
-        guard.step_unless_nonfinite(opt, torch.tensor(float("nan"), device="cuda"))
+        guard.step_unless_nonfinite(opt, norm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(p.detach(), after_good) and torch.equal(opt.state[p]["exp_avg"], moments)

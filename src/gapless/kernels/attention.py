@@ -221,6 +221,12 @@ def _check_window(sliding_window: int | None) -> None:
                          f"got {sliding_window}")
 
 
+# flash attention's varlen kernels put the documents on the grid's y axis, which CUDA caps at 65,535: one call with
+# more (a huge micro-batch of short documents) fails with "CUDA error: invalid argument" (seen on the H200 in the batch
+# finder's trial of a tiny model at max_seq_len 64, session 14)
+MAX_VARLEN_DOCUMENTS = 65_535
+
+
 def _varlen_backend() -> AttentionFn:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -238,6 +244,10 @@ def _varlen_backend() -> AttentionFn:
                scale: float | None = None, softcap: float | None = None) -> Tensor:
         q2, k2, v2, cu, max_len = _flat_packed("varlen", q, k, v, cu_seqlens, max_seqlen, attention_mask,
                                                sliding_window, softcap, "sdpa")
+        if cu.shape[0] - 1 > MAX_VARLEN_DOCUMENTS:  # a shape, no sync
+            raise ValueError(f"attention backend 'varlen': {cu.shape[0] - 1:,} documents in one micro-batch, over "
+                             f"the {MAX_VARLEN_DOCUMENTS:,} flash attention launches at once; lower "
+                             "data.tokens_per_batch (or raise train.grad_accum) or choose 'flex'")
         if sliding_window is None:
             # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
             mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}

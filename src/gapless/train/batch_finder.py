@@ -177,6 +177,12 @@ def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.dev
                          "give a number of tokens")
     from gapless.train.step import loss_sum
 
+    from gapless.kernels.attention import MAX_VARLEN_DOCUMENTS
+
+    # each trial row is one document: no more than one varlen attention call takes (a tiny model at a short
+    # max_seq_len could otherwise fill a big GPU with more)
+    cap = MAX_VARLEN_DOCUMENTS * max_seq_len
+    maximum = cap if maximum is None else min(maximum, cap)
     free, _ = torch.cuda.mem_get_info(device)
     capacity = free + torch.cuda.memory_allocated(device)
     slope = estimate_memory(model.args, method, tokens=max_seq_len, **estimate).per_token_bytes
