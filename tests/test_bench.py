@@ -285,7 +285,6 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
     assert recipe.loss_chunk == DEFAULT_CHUNK_SIZE and recipe.method == "lora"
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
     assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
-    assert CONFIGS["default_dropout_grouped"] == replace(recipe, lora_dropout=0.05, lora_kernel="grouped")
     assert CONFIGS["default_grouped"] == replace(recipe, lora_kernel="grouped")
     args = model_args_from_config(TINY)
     assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"

@@ -373,21 +373,20 @@ def test_activation_checkpointing_changes_memory_not_losses(base, uninterrupted)
 
 
 def test_concat_kernel_resolves_to_grouped_where_it_cannot_run():
-    """lora.kernel concat (the default) is recorded and announced as grouped where it cannot run: QLoRA, FSDP2;
-    elsewhere (LoRA dropout included: concat stacks the frozen weights alone), and for grouped, reference and full
-    fine-tuning, the config is unchanged."""
+    """lora.kernel concat (the default) is recorded and announced as grouped where it cannot run: LoRA dropout,
+    QLoRA, FSDP2; elsewhere, and for grouped, reference and full fine-tuning, the config is unchanged."""
     from gapless.config import DataConfig, LoraConfig, ModelConfig
     from gapless.train.loop import resolve_lora_kernel
 
     base = RunConfig(model=ModelConfig(path="m"), data=DataConfig(sources=[]))
     assert base.lora.kernel == "concat"
-    for cfg, strategy, why in ((replace(base, method="qlora"), "none", "method qlora"),
+    for cfg, strategy, why in ((replace(base, lora=LoraConfig(dropout=0.05)), "none", "lora.dropout 0.05"),
+                               (replace(base, method="qlora"), "none", "method qlora"),
                                (base, "fsdp", "FSDP2")):
         resolved, note = resolve_lora_kernel(cfg, strategy)
         assert resolved.lora.kernel == "grouped" and note.startswith("lora.kernel: grouped, not concat") and why in note
         assert replace(resolved, lora=replace(resolved.lora, kernel="concat")) == cfg  # nothing else changed
     for cfg, strategy in ((base, "none"), (base, "ddp"), (replace(base, method="full"), "fsdp"),
-                          (replace(base, lora=LoraConfig(dropout=0.05)), "none"),
                           (replace(base, lora=LoraConfig(dropout=0.05, kernel="reference")), "none")):
         assert resolve_lora_kernel(cfg, strategy) == (cfg, None)
 

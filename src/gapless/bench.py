@@ -158,16 +158,13 @@ CONFIGS = {
     # attention backend `attn_backend: auto` picks (fa4_op where flash-attn-4 imports, i.e. with gapless[gpu], varlen
     # otherwise; the row says which), the fused loss compiled, compiled layers, LoRA inside the base GEMMs
     # (lora.kernel concat). tests/test_bench.py holds this recipe to the config's defaults; default_dropout is the
-    # seed's recipe (lora.dropout 0.05) on it: concat stacks the frozen weights alone (A reads dropout(x), not x)
+    # seed's recipe (lora.dropout 0.05) on it, which runs grouped (concat cannot share x with dropout(x))
     "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
     "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                               lora_dropout=0.05),
     # the default before run s12-default (lora.kernel grouped; rows before it named `default` ran this): 33,142
     # against concat's 33,683 tok/s on an H100 in one call (then named default and default_concat)
     "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
-    # default_dropout as it ran before session 14 (grouped: each projection's base GEMM alone)
-    "default_dropout_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
-                                      lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
     "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                                     lora_dropout=0.05, fused_dropout=False),

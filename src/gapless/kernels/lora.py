@@ -17,6 +17,10 @@ removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_co
 matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
 neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
 
+Under dropout, concat runs grouped. A fourth form stacked only the frozen q/k/v (gate/up) weights for one base GEMM
+beside grouped's dropout A matmul: 33,361 against grouped's 33,991 real tokens/s for Llama-3.2-3B at dropout 0.05
+on the H200 (run s14-default, one call, fa4_op), so it was removed.
+
 Dropout: `dropout` is what LoraLinear holds (a FusedDropout, an nn.Dropout under lora.fused_dropout: false, or
 nn.Identity at p = 0) or any callable on x. A FusedDropout in training on a CUDA tensor with triton importable runs
 the A matmul fused (gapless.kernels.lora_dropout: the mask drawn in registers from a seed, never stored; its
@@ -50,8 +54,7 @@ def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a
 
 def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
                         lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor], scalings: Sequence[float],
-                        dropout: Callable[[Tensor], Tensor] | None = None,
-                        merged: Tensor | None = None) -> list[Tensor]:
+                        dropout: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """lora_linear_reference for layers that read the same x (q/k/v; gate/up), their A matrices as one matmul.
 
     dropout(x) [A_q; A_k; A_v]^T is one [N, r_q + r_k + r_v] GEMM, split into each layer's x A^T; autograd then
@@ -63,10 +66,6 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
     projection: the same keep probability and scaling for every element, so the same expected update, but a
     different sample). Each layer's output equals lora_linear_reference under that same mask exactly. An
     nn.Dropout in training on CUDA can run fused: the same one mask per group, drawn in the kernel (module docstring).
-
-    `merged` [sum out, in]: the frozen weights stacked, `weights` being views of its rows (lora.kernel "concat"
-    under dropout, gapless.model.lora): the base outputs are then one GEMM forward and dx one GEMM backward, as in
-    lora_linear_concat, while the A matmul reads dropout(x).
     """
     ranks = [lora_a.shape[0] for lora_a in lora_as]
     if fused_dropout_applies(x, dropout):
@@ -75,12 +74,8 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
         xd = x if dropout is None else dropout(x)
         a = torch.cat([lora_a.to(x.dtype) for lora_a in lora_as])  # [sum r, in]
         xas = F.linear(xd, a).split(ranks, dim=-1)  # each [..., r]
-    if merged is None:
-        return [F.linear(x, w, b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
-                for w, b, xa, lora_b, scaling in zip(weights, biases, xas, lora_bs, scalings)]
-    bases = F.linear(x, merged).split([w.shape[0] for w in weights], dim=-1)
-    return [(y if b is None else y + b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
-            for y, b, xa, lora_b, scaling in zip(bases, biases, xas, lora_bs, scalings)]
+    return [F.linear(x, w, b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
+            for w, b, xa, lora_b, scaling in zip(weights, biases, xas, lora_bs, scalings)]
 
 
 class _ConcatLinear(torch.autograd.Function):

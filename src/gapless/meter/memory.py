@@ -37,9 +37,9 @@ backward. The QLoRA, full fine-tuning and checkpointing terms are derived, not f
 round) holds them against measured peaks.
 
 LoRA dropout keeps, per layer, the bool mask of every dropout it draws for backward (the dropped input itself is
-recomputed from x and the mask): with lora.kernel grouped (and concat, whose A matmul runs as grouped's under
-dropout) one mask over the hidden size for q/k/v and one for gate/up, with reference one per projection; o_proj's
-and down_proj's each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B layer, /tmp script over
+recomputed from x and the mask): with lora.kernel grouped (and concat, which runs grouped under dropout) one mask
+over the hidden size for q/k/v and one for gate/up, with reference one per projection; o_proj's and down_proj's
+each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B layer, /tmp script over
 bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and [N, 8192], one mask fewer
 than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this predicts as 54.19 (-4.6%),
 where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs fused (method lora on a CUDA
@@ -197,7 +197,7 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
 
 def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat") -> int:
     """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
-    each mask drawn. grouped (and concat, whose A matmul runs as grouped's under dropout): the projections that read the
+    each mask drawn. grouped (and concat, which runs grouped with dropout): the targeted projections that read the
     same input share one mask (q/k/v; gate/up); reference: one mask per targeted projection."""
     shapes = projection_shapes(args)
     if kernel == "reference":

@@ -70,11 +70,8 @@ class LoraLinear(nn.Module):
         # "concat": the frozen weights and the A rows of the layers that read the same input as one GEMM, over a
         # buffer that concat_lora_weights builds once the weights exist (until then these layers run "grouped")
         self.kernel = kernel
-        # [sum out + sum r, in] in the weights' dtype, shared by the layers of one group; `weight` is a view into it.
-        # Under dropout it holds the frozen weights alone, [sum out, in] (concat_holds_a False), for groups of two or
-        # more: one GEMM for their base outputs, while the A matmul reads dropout(x)
+        # [sum out + sum r, in] in the weights' dtype, shared by the layers of one group; `weight` is a view into it
         self.register_buffer("lora_concat", None, persistent=False)
-        self.concat_holds_a = False
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
@@ -83,7 +80,7 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.lora_concat is not None and self.concat_holds_a:  # o_proj, down_proj: [W; A] as one GEMM
+        if self.lora_concat is not None:  # o_proj, down_proj: [W; A] as one GEMM
             return lora_linear_concat(x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight],
                                       [self.scaling])[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
@@ -101,14 +98,9 @@ class LoraLinear(nn.Module):
         concat = [getattr(layer, "lora_concat", None) is not None for layer in layers]
         if any(concat):  # the layers concat_lora_weights put in one buffer, in this order; the others alone
             members = [layer for layer, join in zip(layers, concat) if join]
-            args = (x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
-                    [m.lora_B.weight for m in members], [m.scaling for m in members])
-            if members[0].concat_holds_a:
-                outs = iter(lora_linear_concat(*args))
-            else:  # under dropout: the frozen weights as one GEMM, the A matmul on dropout(x) (one mask per group)
-                x, merged, biases, lora_as, lora_bs, scalings = args
-                outs = iter(lora_linear_grouped(x, [m.weight for m in members], biases, lora_as, lora_bs, scalings,
-                                                dropout=members[0].lora_dropout, merged=merged))
+            outs = iter(lora_linear_concat(
+                x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
+                [m.lora_B.weight for m in members], [m.scaling for m in members]))
             return [next(outs) if join else layer(x) for layer, join in zip(layers, concat)]
         # "concat" layers whose buffer is not built yet run grouped: the same sums
         joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", "concat") for layer in layers]
@@ -155,10 +147,6 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
     copying the whole weight would move ~6 GB. Not inside the compiled layers: a write into a slice of a graph
     input is functionalised and may copy the whole buffer.
 
-    Under dropout (a group whose layers hold a dropout) the buffer is [W_1; ..; W_k] alone, for q/k/v and gate/up
-    (o_proj and down_proj keep their weight): one GEMM for the base outputs and one for dx, the A matmul on
-    dropout(x) beside it (lora_linear_grouped's `merged`), and nothing to refresh.
-
     Only exactly-LoraLinear layers join (QLoRA's layers keep their own path). `.to()` afterwards would split the
     views from the buffer: build it on the device it trains on. The buffer is a (non-persistent) module buffer:
     DDP needs broadcast_buffers=False, or it would send the weights every step; not for FSDP2, which shards each
@@ -174,23 +162,17 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
             tensors = [t for m in group for t in (m.weight, m.lora_A.weight)]
             if not group or any(t.is_meta for t in tensors):
                 continue
-            # under dropout the A rows would read dropout(x), the base rows x: the buffer holds the frozen weights
-            # alone, worth building for a group of two or more (one GEMM for their base outputs and one for dx)
-            holds_a = all(isinstance(m.lora_dropout, nn.Identity) for m in group)
-            if not holds_a and len(group) < 2:
-                continue
             dtype = group[0].weight.dtype
             assert all(m.weight.dtype == dtype and m.weight.device == group[0].weight.device for m in group), (
                 "the layers of one group hold their weights in one dtype on one device")
-            with torch.no_grad():  # [sum out + sum r, in], or [sum out, in] under dropout
-                buffer = torch.cat([m.weight for m in group]
-                                   + ([m.lora_A.weight.to(dtype) for m in group] if holds_a else []))
+            with torch.no_grad():  # [sum out + sum r, in]
+                buffer = torch.cat([m.weight for m in group] + [m.lora_A.weight.to(dtype) for m in group])
             row = 0
             for m in group:
                 m.weight = nn.Parameter(buffer[row:row + m.out_features], requires_grad=m.weight.requires_grad)
-                m.lora_concat, m.concat_holds_a = buffer, holds_a
+                m.lora_concat = buffer
                 row += m.out_features
-            for m in group if holds_a else []:
+            for m in group:
                 r = m.lora_A.out_features
                 pairs.append((buffer[row:row + r], m.lora_A.weight))
                 row += r
@@ -210,10 +192,10 @@ def _refresh_concat_rows(model: nn.Module, args) -> None:
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Add LoRA to the decoder layers' linear projections named by cfg.target_modules; freeze all else.
 
-    kernel "concat" (the default) with dropout > 0 stacks the frozen weights of q/k/v and of gate/up alone, without
-    A rows: the A rows would read dropout(x), the base rows x, so they cannot share one GEMM; the A matmul runs as
-    in "grouped" (gapless.config.LoraKernel)."""
+    kernel "concat" (the default) with dropout > 0 runs "grouped", the same sums: the A rows would read
+    dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel)."""
     cfg.validate()
+    kernel = "grouped" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
     targets = [name for name, m in model.named_modules()
@@ -222,7 +204,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     assert targets, f"no linear layers named {cfg.target_modules} under model.layers"
     for name in targets:
         _set_submodule(model, name, LoraLinear(model.get_submodule(name), cfg.r, cfg.scaling, cfg.dropout,
-                                               adapter_dtype, kernel=cfg.kernel, fused_dropout=cfg.fused_dropout))
+                                               adapter_dtype, kernel=kernel, fused_dropout=cfg.fused_dropout))
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith((".lora_A.weight", ".lora_B.weight"))
     model.lora_config = cfg

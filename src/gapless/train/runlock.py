@@ -35,8 +35,8 @@ RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every
              "resume", "output_dir", "model.device", "model.attn_backend", "model.compile", "data.num_workers",
              "data.cache_dir", "train.report_to", "train.wandb")
 # values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat runs grouped's
-# sums in one GEMM (and runs grouped itself under QLoRA and FSDP2; runs with dropout before session 14 recorded
-# grouped), and runs before concat became the default recorded grouped
+# sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
+# default recorded grouped
 INTERCHANGEABLE = {"lora.kernel": {"concat", "grouped"}}
 
 
