@@ -10,7 +10,8 @@
    the same).
 2. Runs `gapless train examples/llama-3.2-3b-lora.yaml model.path=WORK/model data.sources.0.path=DATA
    train.steps=1 ...` in a subprocess twice:
-     cold: the compile cache (TORCHINDUCTOR_CACHE_DIR), the token cache (data.cache_dir) and gapless's bytecode
+     cold: the compile caches (TORCHINDUCTOR_CACHE_DIR; flash-attn-4's kernels, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR,
+           gapless.kernels.attention.fa4_disk_cache), the token cache (data.cache_dir) and gapless's bytecode
            cache (~/.cache/gapless/pycache, used where torch has no .pyc: gapless.bytecode) empty, and the weights'
            pages dropped from the OS page cache (fsync, then posix_fadvise DONTNEED: advisory, no root needed);
      warm: the same caches, now full, and the weights in the page cache.
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     caches = work / "cache"
     shutil.rmtree(caches, ignore_errors=True)  # cold: nothing compiled, nothing tokenized
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "compile"), "PYTHONUNBUFFERED": "1",
+           "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(caches / "flash_attn_cute"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     results, page_cache_dropped = {}, False
     def train_command(run_dir: Path) -> list[str]:

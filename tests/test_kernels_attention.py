@@ -6,6 +6,8 @@ backward, against the reference run in float32 on the same inputs upcast; bf16 o
 and 1e-2 relative (‖out − ref‖ / ‖ref‖), so the bound is 1e-2 for the output and 2e-2 for the gradients
 (dk and dv sum over every query of a document and a GQA group).
 """
+import os
+
 import pytest
 import torch
 
@@ -274,3 +276,18 @@ def test_varlen_names_the_document_limit_of_one_call(monkeypatch):
     with pytest.raises(ValueError, match=r"65,536 documents in one micro-batch, over the 65,535 .* lower "
                                          r"data.tokens_per_batch"):
         varlen(q, q, q, cu_seqlens=torch.arange(n + 1, dtype=torch.int32), max_seqlen=1)
+
+
+def test_flash_attn_4_kernel_cache_goes_beside_gaplesss_unless_the_user_chose(monkeypatch, tmp_path):
+    """fa4_disk_cache (run before flash-attn-4 is imported) turns its on-disk kernel cache on, in gapless's cache
+    folder; a choice the user made in either variable stands."""
+    from gapless.kernels.attention import FA4_CACHE, fa4_disk_cache
+
+    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert fa4_disk_cache() == FA4_CACHE.expanduser()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path))
+    assert fa4_disk_cache() == tmp_path
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    assert fa4_disk_cache() is None

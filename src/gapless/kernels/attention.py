@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -430,7 +432,23 @@ def varlen_attention_op(name: str, forward: VarlenForward, backward: VarlenBackw
     return fwd
 
 
+# flash-attn-4 compiles its CuTe DSL kernels when a shape is first met and keeps them on disk only when asked
+# (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1, read when flash_attn.cute.cache_utils is imported): a warm start-up of
+# the example 3B config on the H200 spent 7.1 s of its 12.3 s first step outside inductor's compile (run s14-startup).
+# gapless asks for that cache beside inductor's (gapless.train.compile), unless the user set either variable.
+FA4_CACHE = Path("~/.cache/gapless/compile/flash_attn_cute")
+
+
+def fa4_disk_cache() -> Path | None:
+    """Turn flash-attn-4's on-disk kernel cache on (before it is imported) unless the user chose; its folder or
+    None when off."""
+    if os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1") != "1":
+        return None
+    return Path(os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(FA4_CACHE.expanduser())))
+
+
 def _fa4_op_backend() -> AttentionFn:
+    fa4_disk_cache()
     try:  # flash-attn-4's own forward and backward entry points (what its FlashAttnVarlenFunc calls)
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except ImportError as e:
