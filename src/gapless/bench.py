@@ -79,7 +79,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict
+from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from_dict, resolve_device
 from gapless.data.batching import Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
 from gapless.kernels.attention import choose_backend
@@ -90,7 +90,6 @@ from gapless.model.loading import DTYPES, model_args_from_config, read_config
 from gapless.model.method import Full, Lora, Method, Qlora
 from gapless.train.assemble import assemble, random_tensors
 from gapless.train.compile import frames_not_compiled
-from gapless.config import resolve_device
 from gapless.train.optim import MasterWeights, build_optimizer
 from gapless.train.step import train_step
 

@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from gapless.data.batching import IGNORE, Batch
+from gapless.kernels.attention import MAX_VARLEN_DOCUMENTS
 from gapless.meter.memory import GIB, estimate_memory, max_tokens
 
 T = TypeVar("T")
@@ -176,8 +177,6 @@ def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.dev
         raise ValueError(f"data.tokens_per_batch: auto measures the GPU's memory, and this run is on {device.type}; "
                          "give a number of tokens")
     from gapless.train.step import loss_sum
-
-    from gapless.kernels.attention import MAX_VARLEN_DOCUMENTS
 
     # each trial row is one document: no more than one varlen attention call takes (a tiny model at a short
     # max_seq_len could otherwise fill a big GPU with more)
