@@ -38,6 +38,7 @@ from gapless.data.formats import Example, RecordError
 
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
+WHITESPACE = re.compile(r"\s*")
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
 NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
@@ -248,8 +249,25 @@ class Encoder:
             if not going_on.startswith(upto):
                 end = self._shared_prefix(upto, going_on)
         if end < len(prompt) or not full.startswith(upto[:end]):
-            return f"messages[:{i + 1}]"
+            end = self._answer_end(messages[i], full, len(prompt))
+            if end is None:
+                return f"messages[:{i + 1}]"
         return len(prompt), end
+
+    def _answer_end(self, message: dict, full: str, start: int) -> int | None:
+        """Where assistant `message`, whose prompt ends at `start` in `full`, ends there when the template renders
+        messages[:i + 1] differently from the same turn inside the whole conversation (Qwen3 writes an empty <think>
+        block into the last turn only, so no earlier turn's rendering is a prefix): its text exactly, after nothing
+        but whitespace, then the special token that ends the turn (<|im_end|>). None where the turn is not plain
+        text found so (calls, rewritten reasoning): then it cannot be located, and the caller says so."""
+        content = message.get("content")
+        if message.get("tool_calls") or not isinstance(content, str) or not content.strip():
+            return None
+        at = full.find(content.strip(), start)
+        if at < 0 or full[start:at].strip():
+            return None
+        end_of_turn = self.special_text.match(full, WHITESPACE.match(full, at + len(content.strip())).end())
+        return end_of_turn.end() if end_of_turn else None
 
     def _shared_prefix(self, a: str, b: str) -> int:
         """The length of the longest common prefix of a and b, moved back to the start of a special token's text
