@@ -2,7 +2,7 @@
 
 - a nan loss in one step: the step updates nothing and is counted; lr=1e30 and NaN base weights: the run stops
   after NONFINITE_LIMIT bad steps in a row, says where it began, writes no adapter; metrics.jsonl stays strict JSON;
-- SIGTERM mid-run: a checkpoint within one step, exit 0, and --resume finishes the run; a second SIGINT exits at once;
+- SIGTERM mid-run: a checkpoint within one step, exit 143, and --resume finishes the run; a second SIGINT exits at once;
 - a second run on a locked folder, a finished run without --overwrite, --resume with a changed rank, every
   checkpoint corrupt: each refused before anything is overwritten;
 - a full disk at the final adapter write: one message naming the checkpoint that holds the weights.
@@ -147,7 +147,7 @@ def wait_for_step(run: Path, step: int, proc, timeout: float = 240) -> None:
     raise AssertionError("the run did not reach the step in time")
 
 
-def test_sigterm_checkpoints_exits_0_and_resume_finishes(base, tmp_path):
+def test_sigterm_checkpoints_exits_143_and_resume_finishes(base, tmp_path):
     run = tmp_path / "run"
     path = config_file(base, run, "train.steps=400", "checkpoint.every=0")
     proc = start_cli([str(path)])
@@ -156,8 +156,9 @@ def test_sigterm_checkpoints_exits_0_and_resume_finishes(base, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     stop_s = time.monotonic() - t0
-    assert proc.returncode == 0, out[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]  # not done: `train && export` stops here
     assert "SIGTERM: stopped after step" in out and "Traceback" not in out
+    assert "gapless train: SIGTERM: exit 143; continue with --resume" in out
     stop = [r for r in records(run) if r.get("kind") == "stopped"][0]
     assert stop["reason"] == "SIGTERM" and stop["checkpoint"]
     assert (run / "checkpoints" / f"step-{stop['step']:08d}" / "manifest.json").is_file()

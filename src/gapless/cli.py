@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -125,7 +126,15 @@ def run_train(args) -> int:
 
         train = record(train)  # the failing rank's traceback goes to torchrun's error file and summary
     result = train(cfg, started=started, overwrite=args.overwrite)
-    return 1 if result.stopped in ("nonfinite", "final_write") else 0  # a signal's stop is ready for --resume
+    if result.stopped in ("nonfinite", "final_write"):
+        return 1
+    if result.stopped is not None:  # a stop signal: checkpointed, ready for --resume, but not done
+        # 128 + the signal, as a shell reports a process it ended: `gapless train && gapless export` stops at a
+        # Ctrl-C, and a scheduler (a Kubernetes Job, a SLURM requeue script) sees a preempted run as unfinished
+        code = 128 + (signal.SIGINT if result.stopped == "SIGINT" else signal.SIGTERM)
+        print(f"gapless train: {result.stopped}: exit {code}; continue with --resume", file=sys.stderr)
+        return code
+    return 0
 
 
 def register_convert(sub) -> None:

@@ -13,7 +13,8 @@ loop to read with its logged metrics: a run of `limit` consecutive skipped steps
 where it began, found at the first logged step after it.
 
 Stop signals. `StopSignals` turns the first SIGTERM or SIGINT (preemption, Ctrl-C) into a flag the loop reads after
-each step (a host bool: no sync): it writes a checkpoint, waits for it, and ends the run ready for --resume. A second
+each step (a host bool: no sync): it writes a checkpoint, waits for it, and ends the run ready for --resume;
+`gapless train` then exits 128 + the signal (130 for SIGINT, 143 for SIGTERM), not 0: the run is not done. A second
 signal ends the process at once (exit status 130).
 """
 from __future__ import annotations
