@@ -249,7 +249,7 @@ def _varlen_backend() -> AttentionFn:
         if cu.shape[0] - 1 > MAX_VARLEN_DOCUMENTS:  # a shape, no sync
             raise ValueError(f"attention backend 'varlen': {cu.shape[0] - 1:,} documents in one micro-batch, over "
                              f"the {MAX_VARLEN_DOCUMENTS:,} flash attention launches at once; lower "
-                             "data.tokens_per_batch (or raise train.grad_accum) or choose 'flex'")
+                             "data.tokens_per_batch (train.grad_accum keeps a step's tokens) or choose 'flex'")
         if sliding_window is None:
             # a tuple: varlen_attn tests `window_size == (-1, 0)` to pick its causal kernel
             mode: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
