@@ -32,6 +32,7 @@ class SourceSummary:
     first_errors: list[str]  # the first few skipped records, file:line and why
     tools_not_rendered: int  # records whose tool definitions the chat template leaves out
     tool_calls_as_text: int  # records whose OpenAI-style tool_calls are trained as JSON text (the template has none)
+    system_not_rendered: int = 0  # records whose system message the chat template leaves out of the conversation
 
 
 @dataclass
@@ -70,7 +71,8 @@ class DataSummary:
                 truncated=counts.get("truncated", 0), split=counts.get("split", 0), dropped=dropped,
                 docs=len(s.dataset), tokens=meta["tokens"], target_tokens=meta["target_tokens"],
                 first_errors=meta["first_errors"], tools_not_rendered=counts.get("tools_not_rendered", 0),
-                tool_calls_as_text=counts.get("tool_calls_as_text", 0)))
+                tool_calls_as_text=counts.get("tool_calls_as_text", 0),
+                system_not_rendered=counts.get("system_not_rendered", 0)))
         dropped: dict[str, int] = {}
         for r in rows:
             for k, v in r.dropped.items():
@@ -85,6 +87,10 @@ class DataSummary:
                 warnings.append(f"{r.name}: {r.tool_calls_as_text} records have tool_calls that the chat template "
                                 "does not render (it never mentions `tool_calls`); each call is trained as a JSON "
                                 'line {"name", "arguments"} in its assistant turn')
+            if r.system_not_rendered:
+                warnings.append(f"{r.name}: {r.system_not_rendered} records have a system message that the chat "
+                                "template leaves out of a conversation ending in an answer (Mistral v0.3 writes it "
+                                "only into a last user turn, when prompting); they are trained without it")
             if cfg.overlong == "split" and r.truncated:
                 warnings.append(f"{r.name}: overlong=split applies to plain text; {r.truncated} longer "
                                 "conversations were truncated")

@@ -39,6 +39,7 @@ from gapless.data.formats import Example, RecordError
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
 WHITESPACE = re.compile(r"\s*")
+MARKER = "\ue000gapless-answer\ue001"  # private-use characters: no template or record writes them
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
 NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
@@ -93,7 +94,8 @@ class Chunk:
     ids: list[np.ndarray] = field(default_factory=list)  # int32, per document
     mask: list[np.ndarray] = field(default_factory=list)  # uint8, per document
     records: list[int] = field(default_factory=list)  # per document: index of its record in the chunk
-    counts: Counter = field(default_factory=Counter)  # kept, truncated, split, dropped:<reason>, tools_not_rendered
+    # kept, truncated, split, dropped:<reason>, tools_not_rendered, tool_calls_as_text, system_not_rendered
+    counts: Counter = field(default_factory=Counter)
     errors: list[RecordError] = field(default_factory=list)  # bad records, in order
 
     def add(self, ids: np.ndarray, mask: np.ndarray, record: int) -> None:
@@ -209,7 +211,12 @@ class Encoder:
         if self.train_on != "all" and not turns:
             raise RecordError(ex.where, "messages", NOTHING_TO_TRAIN, "no assistant turn to train on")
         full = self._render(ex, messages, tools, False)
+        # Mistral v0.3 writes the system message only into a last user turn, when prompting: not into a conversation
+        # that ends in an answer
+        system_lost = any(m["role"] == "system" and m.get("content") and m["content"].strip() not in full
+                          for m in messages)
         if self.train_on == "all":
+            counts["system_not_rendered"] += int(system_lost)
             return full, None
         spans, unlocated = [], []
         for i in turns[-1:] if self.train_on == "last_assistant" else turns:
@@ -224,9 +231,10 @@ class Encoder:
                    "prefix), or set data.chat_template" if unlocated[-1][0] != turns[-1] else "set data.chat_template")
             raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
                 f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
-                f"so assistant turn messages[{i}] cannot be located (the template rewrites a conversation's start "
-                "as it goes on: Mistral v0.3's moves the system message into the last user turn, Qwen3's drops "
-                f"earlier turns' reasoning); {fix} to a template that renders each turn the same whatever follows"))
+                f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "
+                "the conversation goes on, and the turn is not plain text found in place: Qwen3's tool calls after "
+                f"the last user message); {fix} to a template that renders each turn the same whatever follows"))
+        counts["system_not_rendered"] += int(system_lost)
         return full, spans
 
     def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
@@ -237,7 +245,8 @@ class Encoder:
         model ends its answer at <|end|>); where `full` does not start with either rendering, which one."""
         prompt = self._render(ex, messages[:i], tools, True)
         if not full.startswith(prompt):
-            return f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)"
+            return (self._marked_span(ex, messages, tools, full, i)
+                    or f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)")
         last = i == len(messages) - 1
         upto = full if last else self._render(ex, messages[: i + 1], tools, False)
         end = len(upto)
@@ -249,25 +258,34 @@ class Encoder:
             if not going_on.startswith(upto):
                 end = self._shared_prefix(upto, going_on)
         if end < len(prompt) or not full.startswith(upto[:end]):
-            end = self._answer_end(messages[i], full, len(prompt))
-            if end is None:
-                return f"messages[:{i + 1}]"
+            return self._marked_span(ex, messages, tools, full, i) or f"messages[:{i + 1}]"
         return len(prompt), end
 
-    def _answer_end(self, message: dict, full: str, start: int) -> int | None:
-        """Where assistant `message`, whose prompt ends at `start` in `full`, ends there when the template renders
-        messages[:i + 1] differently from the same turn inside the whole conversation (Qwen3 writes an empty <think>
-        block into the last turn only, so no earlier turn's rendering is a prefix): its text exactly, after nothing
-        but whitespace, then the special token that ends the turn (<|im_end|>). None where the turn is not plain
-        text found so (calls, rewritten reasoning): then it cannot be located, and the caller says so."""
-        content = message.get("content")
-        if message.get("tool_calls") or not isinstance(content, str) or not content.strip():
+    def _marked_span(self, ex: Example, messages: list[dict], tools: list | None, full: str,
+                     i: int) -> tuple[int, int] | None:
+        """The span of assistant turn i in `full` where its prefixes do not render as prefixes of the whole (Qwen3
+        writes an empty <think> block into the last turn only; Mistral v0.3 writes the system message into a last
+        user turn only): the whole conversation rendered again with the turn's text replaced by a marker, whose
+        text before and after the marker must start and end `full`; what lies between them is the turn's text as
+        the template wrote it, and the span runs through the special token that closes the turn (after whitespace
+        only). A space just before the text belongs to its first token (SentencePiece's "▁word": Mistral's
+        "[/INST] "). None for a turn that is not plain text (tool calls: what follows its text is the call, not
+        the end of the turn) or where the marker does not locate it."""
+        message = messages[i]
+        if message.get("tool_calls") or not isinstance(message.get("content"), str) or not message["content"]:
             return None
-        at = full.find(content.strip(), start)
-        if at < 0 or full[start:at].strip():
+        try:
+            marked = self.render([*messages[:i], {**message, "content": MARKER}, *messages[i + 1:]], tools, False)
+        except Exception:  # the template refuses the marker where it took the text: not located
             return None
-        end_of_turn = self.special_text.match(full, WHITESPACE.match(full, at + len(content.strip())).end())
-        return end_of_turn.end() if end_of_turn else None
+        head, found, tail = marked.partition(MARKER)
+        if not found or MARKER in tail or not (full.startswith(head) and full.endswith(tail)) \
+                or len(head) + len(tail) > len(full):
+            return None
+        end_of_turn = self.special_text.match(full, WHITESPACE.match(full, len(full) - len(tail)).end())
+        if end_of_turn is None:
+            return None
+        return len(head) - head.endswith(" "), end_of_turn.end()
 
     def _shared_prefix(self, a: str, b: str) -> int:
         """The length of the longest common prefix of a and b, moved back to the start of a special token's text
