@@ -351,3 +351,33 @@ def test_named_template_sets_without_default_are_refused(shared, tokenizers):
     tok = tokenizers["qwen25"]
     with pytest.raises(ValueError, match=r"chat templates are named \['rag', 'tool_use'\], none of them 'default'"):
         Encoder(tok, {"tool_use": "x", "rag": "y"}, max_seq_len=64, train_on="assistant", overlong="truncate")
+
+
+def test_openai_weight_0_leaves_an_answer_out_of_the_loss(shared, tokenizers, tmp_path):
+    """OpenAI's fine-tuning format: an assistant message of `weight: 0` is in the conversation but not trained; a
+    record whose every answer has weight 0 has nothing to train; a weight other than 0 or 1 names its field."""
+    tok = tokenizers["qwen25"]
+    examples = [ex for ex in sample(shared) if plain(ex) and sum(m["role"] == "assistant" for m in ex.messages) > 1]
+    assert len(examples) >= 5
+    rows = []
+    for ex in examples:  # the first answer weighted out
+        first = next(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
+        rows.append([{**m, "weight": 0} if i == first else m for i, m in enumerate(ex.messages)])
+    rows.append([{**m, "weight": 0} if m["role"] == "assistant" else m for m in examples[0].messages])
+    rows.append([{**m, "weight": 2} if m["role"] == "assistant" else m for m in examples[0].messages])
+    path = tmp_path / "weighted.jsonl"
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    folder = tmp_path / "qwen25"
+    tokenizer_folder(shared, folder, "qwen25")
+    mix, _, summary = build_data(config(tmp_path, folder, path, on_error="skip"))
+    assert summary.dropped == {"nothing_to_train": 1, "bad_value": 1} and len(mix) == len(examples)
+    assert any(f"{path}:{len(rows)}: messages[" in e and "].weight: expected 0 or 1" in e
+               for e in summary.sources[0].first_errors), summary.sources[0].first_errors
+    for i, ex in enumerate(examples):
+        ids, mask = mix.doc(i)
+        answers = [m["content"] + "<|im_end|>" for m in ex.messages if m["role"] == "assistant"]
+        assert trained_runs(tok, ids, mask) == answers[1:], ex.where
+        assert answers[0][:-len("<|im_end|>")] in tok.decode(ids.tolist())  # still in the conversation
+    mix, _, _ = build_data(config(tmp_path, folder, path, on_error="skip", train_on="last_assistant"))
+    assert [trained_runs(tok, *mix.doc(i)) for i in range(len(examples))] == [
+        [[m["content"] for m in ex.messages if m["role"] == "assistant"][-1] + "<|im_end|>"] for ex in examples]

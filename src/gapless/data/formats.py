@@ -7,7 +7,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
-lists of turns (TRL's conversational prompt-completion).
+lists of turns (TRL's conversational prompt-completion). An assistant turn may carry OpenAI's `weight`: 0 leaves it
+out of the loss (data.train_on: assistant, last_assistant), 1 is the default.
 Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
 (.jsonl.gz); globs;
 folders of such files; folders written by datasets' `save_to_disk`.
@@ -436,6 +437,12 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
         raise RecordError(where, f"{field}.{content_key}", BAD_VALUE,
                           f"expected a string, got {type(content).__name__}")
     message = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
+    if "weight" in message:  # OpenAI's fine-tuning format: an assistant message of weight 0 is not trained
+        weight = message["weight"]
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise RecordError(where, f"{field}.weight", BAD_VALUE, f"expected 0 or 1 (OpenAI's per-message weight: 0 "
+                              f"leaves an assistant message out of the loss), got {weight!r}")
+        message["weight"] = int(weight)
     message.update(role=role, content=content)
     if role == "tool_call":
         message.update(role="assistant", is_tool_call=True)

@@ -11,9 +11,11 @@ is trained, the separator a template writes after it (ChatML's newline) is not, 
 conversation's last turn (Phi-3's eos_token): a turn ends where the renderings of the conversation ending there and
 going on (the generation prompt after it) part.
 This needs a template whose rendering of a prefix of the conversation, with or without the generation prompt, is a
-prefix of the full rendering; a record for which it is not (Qwen3's template drops earlier turns' reasoning, Mistral
-v0.3's writes the system message into the last user turn only) is reported, not guessed: a RecordError of reason
-template_not_prefix, which data.on_error raises or skips and counts.
+prefix of the full rendering. Where it is not (Qwen3 writes an empty <think> block into the last turn only, Mistral
+v0.3 the system message into a last user turn only), the turn is located by rendering the whole conversation with
+its text replaced by a marker (Encoder._marked_span); a turn that cannot be located so (a tool call) is reported,
+not guessed: a RecordError of reason template_not_prefix, which data.on_error raises or skips and counts.
+An assistant turn of OpenAI's `weight: 0` stays in the conversation and out of the loss.
 
 The pipeline that reads, tokenizes, caches and mixes a run's sources is gapless.data.pipeline.
 """
@@ -207,9 +209,15 @@ class Encoder:
         if tools and not self.renders_tools:
             counts["tools_not_rendered"] += 1
             tools = None
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        # OpenAI's weight 0: an answer left out of the loss (still in the conversation); last_assistant: the last
+        # answer, when its weight lets it train
+        turns = [i for i in (answers[-1:] if self.train_on == "last_assistant" else answers)
+                 if messages[i].get("weight", 1) != 0]
         if self.train_on != "all" and not turns:
-            raise RecordError(ex.where, "messages", NOTHING_TO_TRAIN, "no assistant turn to train on")
+            raise RecordError(ex.where, "messages", NOTHING_TO_TRAIN,
+                              "no assistant turn to train on" if not answers else
+                              "every assistant turn to train has weight 0")
         full = self._render(ex, messages, tools, False)
         # Mistral v0.3 writes the system message only into a last user turn, when prompting: not into a conversation
         # that ends in an answer
@@ -219,7 +227,7 @@ class Encoder:
             counts["system_not_rendered"] += int(system_lost)
             return full, None
         spans, unlocated = [], []
-        for i in turns[-1:] if self.train_on == "last_assistant" else turns:
+        for i in turns:
             span = self._locate(ex, messages, tools, full, i)
             if isinstance(span, str):
                 unlocated.append((i, span))
@@ -228,7 +236,7 @@ class Encoder:
         if unlocated:
             i, what = unlocated[0]
             fix = ("set train_on: last_assistant to train the last answer only (this template renders it as a "
-                   "prefix), or set data.chat_template" if unlocated[-1][0] != turns[-1] else "set data.chat_template")
+                   "prefix), or set data.chat_template" if unlocated[-1][0] != answers[-1] else "set data.chat_template")
             raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
                 f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
                 f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "
