@@ -176,38 +176,32 @@ def write_jsonl(path, examples) -> list[str]:
 def test_qwen3_trains_every_turn_of_a_multi_turn_conversation(shared, folders, tokenizers, tmp_path):
     """Qwen3's template writes an empty <think> block into the last turn only, so no earlier turn renders as a prefix
     of the whole conversation. Each earlier answer is found as its own text right after its prompt, through
-    <|im_end|>; the last keeps its empty block, as Qwen3 writes it. (Every multi-turn record was skipped as
-    template_not_prefix.) A turn that is not plain text after the last user message (glaive's tool calls) still
-    cannot be located: that record is skipped, counted and named."""
+    <|im_end|>, and each earlier tool call (glaive's) from its prompt to the first <|im_end|>, the end-of-turn token
+    of the last turn; the last keeps its empty block, as Qwen3 writes it. (Every multi-turn record was skipped as
+    template_not_prefix.) Qwen2.5 renders the same turns the same way, without the block, as prefixes: the
+    trained text of each turn is Qwen2.5's."""
     examples = sample(shared)
     wheres = write_jsonl(tmp_path / "chats.jsonl", examples)
     multi = {w for w, ex in zip(wheres, examples) if sum(m["role"] == "assistant" for m in ex.messages) > 1}
     calls = {w for w, ex in zip(wheres, examples) if w in multi and not plain(ex)}
     assert len(multi - calls) > 8 and calls
-    with pytest.raises(ValueError, match=r"chats.jsonl:\d+: messages: the chat template renders messages\[:\d+\] "
-                                         r"as text that does not start .* set train_on: last_assistant .*on_error: skip"):
-        build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl"))
-    mix, _, summary = build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl", on_error="skip"))
-    assert summary.dropped == {"template_not_prefix": len(calls)} and len(mix) == len(examples) - len(calls)
-    assert {e.split(": ")[0] for e in summary.sources[0].first_errors} <= calls
+    qwen3, qwen25 = (build_data(config(tmp_path, folders[name], tmp_path / "chats.jsonl"))
+                     for name in ("qwen3", "qwen25"))
+    (mix, _, summary), (mix25, _, _) = qwen3, qwen25
+    assert summary.dropped == {} and len(mix) == len(mix25) == len(examples)
     tok = tokenizers["qwen3"]
-    kept = [ex for w, ex in zip(wheres, examples) if w not in calls]
     trained_turns = 0
-    for i, ex in enumerate(kept):
-        ids, mask = mix.doc(i)
-        if not plain(ex):
-            continue
-        answers = [m["content"] for m in ex.messages if m["role"] == "assistant"]
-        want = [a + "<|im_end|>" for a in answers[:-1]] + [f"<think>\n\n</think>\n\n{answers[-1]}<|im_end|>"]
-        got = trained_runs(tok, ids, mask)
-        assert [unicodedata.normalize("NFC", r) for r in got] == [unicodedata.normalize("NFC", w) for w in want], \
-            ex.where
-        trained_turns += len(want)
-    assert trained_turns > len(kept) + 20  # the earlier turns of the multi-turn records are trained
-    # train_on: last_assistant trains the last answer of every record
-    mix, _, summary = build_data(config(tmp_path, folders["qwen3"], tmp_path / "chats.jsonl",
-                                        train_on="last_assistant"))
-    assert summary.dropped == {} and len(mix) == len(examples)
+    for i, (where, ex) in enumerate(zip(wheres, examples)):
+        runs, runs25 = trained_runs(tok, *mix.doc(i)), trained_runs(tok, *mix25.doc(i))
+        assert runs[:-1] == runs25[:-1] and runs[-1] == "<think>\n\n</think>\n\n" + runs25[-1], ex.where
+        if where in calls:
+            assert sum(r.startswith("<tool_call>") for r in runs) > 1, ex.where
+        if plain(ex):
+            answers = [m["content"] for m in ex.messages if m["role"] == "assistant"]
+            want = [a + "<|im_end|>" for a in answers[:-1]] + [f"<think>\n\n</think>\n\n{answers[-1]}<|im_end|>"]
+            assert [unicodedata.normalize("NFC", r) for r in runs] == [unicodedata.normalize("NFC", w) for w in want]
+        trained_turns += len(runs)
+    assert trained_turns > len(examples) + 20  # the earlier turns of the multi-turn records are trained
 
 
 def test_qwen3_reasoning_of_the_last_turn_is_trained(shared, tokenizers):
@@ -295,11 +289,9 @@ def test_openai_tool_calls_with_json_string_arguments_train_the_arguments_as_jso
     tojson, which made the string a quoted one ("parameters": "{\\"a\\": 1}"), trained as the call. Given to the
     template as the object the string holds, the document equals the one of the same call in glaive's form. Their
     content is null, as OpenAI writes it: Qwen3's template failed on it (`'</think>' in content`), a template_error
-    for every such record. (Qwen3's answers are trained with last_assistant: the template writes a think block into
-    the last turn only, so its earlier turns are not prefixes, a template_not_prefix of their own.)"""
+    for every such record."""
     tok = tokenizers[name]
-    train_on = "last_assistant" if name == "qwen3" else "assistant"
-    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on=train_on, overlong="truncate")
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
     glaive = [ex for ex in read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl")))
               if any(m.get("is_tool_call") for m in ex.messages)][:12]
     openai = []

@@ -13,8 +13,10 @@ going on (the generation prompt after it) part.
 This needs a template whose rendering of a prefix of the conversation, with or without the generation prompt, is a
 prefix of the full rendering. Where it is not (Qwen3 writes an empty <think> block into the last turn only, Mistral
 v0.3 the system message into a last user turn only), the turn is located by rendering the whole conversation with
-its text replaced by a marker (Encoder._marked_span); a turn that cannot be located so (a tool call) is reported,
-not guessed: a RecordError of reason template_not_prefix, which data.on_error raises or skips and counts.
+its text replaced by a marker (Encoder._marked_span), or, where that fails (a tool call, not plain text), from its
+prompt to the first end-of-turn token of the kind that closes the last turn located (Encoder._to_end_of_turn); a
+turn that cannot be located so is reported, not guessed: a RecordError of reason template_not_prefix, which
+data.on_error raises or skips and counts.
 An assistant turn of OpenAI's `weight: 0` stays in the conversation and out of the loss.
 
 The pipeline that reads, tokenizes, caches and mixes a run's sources is gapless.data.pipeline.
@@ -226,13 +228,19 @@ class Encoder:
         if self.train_on == "all":
             counts["system_not_rendered"] += int(system_lost)
             return full, None
-        spans, unlocated = [], []
-        for i in turns:
-            span = self._locate(ex, messages, tools, full, i)
-            if isinstance(span, str):
-                unlocated.append((i, span))
-            else:
-                spans.append(span)
+        located = {i: self._locate(ex, messages, tools, full, i) for i in turns}
+        unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
+        if unlocated and len(unlocated) < len(turns):
+            # a turn not plain text (a tool call) whose prompt is in place: it ends at the first end-of-turn token
+            # after its prompt, that token read off the last turn located (Qwen3's tool calls: <|im_end|>)
+            last = max(i for i, span in located.items() if not isinstance(span, str))
+            end_of_turn = self._end_of_turn(full, *located[last])
+            for i, _ in unlocated:
+                later = [span[0] for j, span in located.items() if j > i and not isinstance(span, str)]
+                located[i] = self._to_end_of_turn(ex, messages, tools, full, i, end_of_turn,
+                                                  min(later, default=len(full))) or located[i]
+            unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
+        spans = [located[i] for i in turns]
         if unlocated:
             i, what = unlocated[0]
             fix = ("set train_on: last_assistant to train the last answer only (this template renders it as a "
@@ -240,8 +248,8 @@ class Encoder:
             raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
                 f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
                 f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "
-                "the conversation goes on, and the turn is not plain text found in place: Qwen3's tool calls after "
-                f"the last user message); {fix} to a template that renders each turn the same whatever follows"))
+                "the conversation goes on, and neither the turn's text nor an end-of-turn token after its prompt "
+                f"places it); {fix} to a template that renders each turn the same whatever follows"))
         counts["system_not_rendered"] += int(system_lost)
         return full, spans
 
@@ -268,6 +276,25 @@ class Encoder:
         if end < len(prompt) or not full.startswith(upto[:end]):
             return self._marked_span(ex, messages, tools, full, i) or f"messages[:{i + 1}]"
         return len(prompt), end
+
+    def _end_of_turn(self, full: str, start: int, end: int) -> str | None:
+        """The text of the last special token in full[start:end], a located turn's end-of-turn token."""
+        last = None
+        for last in self.special_text.finditer(full, start, end):
+            pass
+        return last.group() if last else None
+
+    def _to_end_of_turn(self, ex: Example, messages: list[dict], tools: list | None, full: str, i: int,
+                        end_of_turn: str | None, before: int) -> tuple[int, int] | None:
+        """Turn i's span where its prompt is a prefix of `full`: to the end of the first `end_of_turn` after the
+        prompt, which must come before `before` (the next located turn's start)."""
+        if not end_of_turn:
+            return None
+        prompt = self._render(ex, messages[:i], tools, True)
+        at = full.find(end_of_turn, len(prompt)) if full.startswith(prompt) else -1
+        if at < 0 or at + len(end_of_turn) > before:
+            return None
+        return len(prompt), at + len(end_of_turn)
 
     def _marked_span(self, ex: Example, messages: list[dict], tools: list | None, full: str,
                      i: int) -> tuple[int, int] | None:
