@@ -110,7 +110,10 @@ M3=bench/models/llama-3.2-3b
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 BIG_TOKENS=$(( ${GPU_MIB:-0} > 102400 ? 16384 : 8192 ))
 if [[ $MODE == tests ]]; then
-  timeout -k 10 "$BUDGET" "$PY" -m pytest -q -m gpu tests/ 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+  # the failures and skips listed at the end, one line each (the log capture's DEBUG lines and the warnings off:
+  # session 14's tail was all of those)
+  timeout -k 10 "$BUDGET" "$PY" -m pytest -q -m gpu -p no:logging -p no:warnings -rfs --tb=line tests/ 2>&1 \
+    | tail -60 | tee "$OUT/gpu-tests.log"
   exit "${PIPESTATUS[0]}"
 elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
