@@ -226,7 +226,8 @@ class Encoder:
         system_lost = any(m["role"] == "system" and m.get("content") and m["content"].strip() not in full
                           for m in messages)
         if self.train_on == "all":
-            counts["system_not_rendered"] += int(system_lost)
+            if system_lost:
+                counts["system_not_rendered"] += 1
             return full, None
         located = {i: self._locate(ex, messages, tools, full, i) for i in turns}
         unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
@@ -250,7 +251,8 @@ class Encoder:
                 f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "
                 "the conversation goes on, and neither the turn's text nor an end-of-turn token after its prompt "
                 f"places it); {fix} to a template that renders each turn the same whatever follows"))
-        counts["system_not_rendered"] += int(system_lost)
+        if system_lost:
+            counts["system_not_rendered"] += 1
         return full, spans
 
     def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
