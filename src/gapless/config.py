@@ -42,8 +42,8 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                33,683 against grouped's 33,142 real tok/s with flash-attn-4 on an H100, in one call (run
 #                s12-default; 33,619 against 33,122 in s11's two calls); with varlen 498.8 against 506.6 ms of
 #                kernels a step (run s12-prof). On an H200 (more bandwidth) the two are equal: 34,943 against
-#                35,002 in one call (run s14-default). Where it cannot apply it runs "grouped", the same sums: dropout > 0
-#                (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
+#                35,002 in one call (run s14-default). Where it cannot apply it runs "grouped", the same sums:
+#                dropout > 0 (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
 #                and FSDP2 (each rank holds shards, not the whole projections).
 LoraKernel = Literal["grouped", "reference", "concat"]
 

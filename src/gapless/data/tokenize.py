@@ -244,8 +244,8 @@ class Encoder:
         spans = [located[i] for i in turns]
         if unlocated:
             i, what = unlocated[0]
-            fix = ("set train_on: last_assistant to train the last answer only (this template renders it as a "
-                   "prefix), or set data.chat_template" if unlocated[-1][0] != answers[-1] else "set data.chat_template")
+            fix = ("set data.chat_template" if unlocated[-1][0] == answers[-1] else "set train_on: last_assistant "
+                   "to train the last answer only (this template renders it as a prefix), or set data.chat_template")
             raise RecordError(ex.where, "messages", NOT_A_PREFIX, (
                 f"the chat template renders {what} as text that does not start the whole conversation's rendering, "
                 f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "

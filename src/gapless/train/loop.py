@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from gapless.config import RunConfig, resolve_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
@@ -55,7 +54,7 @@ from gapless.train.optim import MasterWeights, build_optimizer, build_scheduler
 from gapless.train.parallel import Dist, aggregate, full_parameters, init_distributed, loss_divisor, max_over_ranks
 from gapless.train.prefetch import Prefetcher
 from gapless.train.progress import Progress
-from gapless.train.runlock import RunLock, check_resume, prepare_run_dir, read_saved_config
+from gapless.train.runlock import RunLock, check_resume, prepare_run_dir, read_saved_config, write_run_config
 from gapless.train.step import loss_sum, train_step
 
 
@@ -255,7 +254,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if parallel.is_main:  # after train's checks
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_run_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
     # the settings that need the model's config.json, before the model is built or any data is tokenized
     model_config = read_config(cfg.model.path)
@@ -302,7 +301,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     if per_epoch_note:  # the intervals that run, in config.yaml as the loop reads them
         progress.message(per_epoch_note)
         if parallel.is_main:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            write_run_config(run_dir, cfg)
     startup.mark("data")
 
     optimizer = build_optimizer(params, cfg.optim, device.type)
@@ -337,7 +336,7 @@ def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[to
         tokens = choice.tokens
         progress.message(f"data.tokens_per_batch auto: {choice.reason}")
     cfg = replace(cfg, data=replace(cfg.data, tokens_per_batch=tokens))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))  # the number that runs
+    write_run_config(run_dir, cfg)  # the number that runs
     return cfg
 
 

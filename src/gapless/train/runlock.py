@@ -23,7 +23,9 @@ import socket
 import time
 from pathlib import Path
 
-from gapless.config import read_yaml
+import yaml
+
+from gapless.config import RunConfig, read_yaml, to_dict
 
 LOCK = ".lock"
 # Dotted config fields a resume may change: how long the run goes on, how often it logs, evaluates and saves, where
@@ -147,6 +149,12 @@ def check_resume(saved: dict, new: dict) -> dict[str, tuple]:
 def read_saved_config(run_dir: str | Path) -> dict | None:
     path = Path(run_dir) / "config.yaml"
     return read_yaml(path) if path.is_file() else None  # a hand-edited file that broke: its line
+
+
+def write_run_config(run_dir: Path, cfg: RunConfig) -> None:
+    """The run's config.yaml: the config as it runs (written at the start, then again as start-up resolves a
+    setting: the batch finder's tokens, the per-epoch intervals)."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def default_output_dir(config_path: str | Path, *, resume: bool, root: str | Path = "runs",
