@@ -1,8 +1,8 @@
 """LoRA's linear layer in three forms (LoraConfig.kernel picks one; gapless.config says what each measured):
 lora_linear_reference, the plain formula, one layer at a time; lora_linear_grouped, the same formula for the
-layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul (the default); and
-lora_linear_concat, the frozen projections and the A matrices of those layers as one GEMM over a buffer
-[W_1; ..; W_k; A_1; ..; A_k], forward and for dx, so each activation is read once.
+layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul; and lora_linear_concat (the
+default), the frozen projections and the A matrices of those layers as one GEMM over a buffer
+[W_1; ..; W_k; A_1; ..; A_k], so each activation is read once.
 
     y = x W^T + b + scaling * (dropout(x) A^T) B^T        x [N, in], W [out, in], A [r, in], B [out, r]
 
@@ -13,9 +13,8 @@ move 3x the activation bytes and lose bf16 tensor cores. dA and dB come back in 
 A third form, one autograd.Function adding the update inside the base GEMMs' epilogues (addmm into the base
 output, forward and backward), measured slower in a compiled Llama-3.2-3B step on the H200 (518.7 against 501.2
 ms for the reference, bench/RESULTS.md run 20261203T144848Z-9d4119: torch.compile cannot fuse through it) and was
-removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_concat differs from it: the B
-matmuls, the scaling and the bias stay outside the autograd.Function, as ops torch.compile fuses with their
-neighbours; only the two big GEMMs (forward, dx) and the group's dA GEMM are inside.
+removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_concat differs from it: its
+autograd.Function is plain torch ops that torch.compile traces and fuses with their neighbours, not an opaque kernel.
 
 Under dropout, concat runs grouped. A fourth form stacked only the frozen q/k/v (gate/up) weights for one base GEMM
 beside grouped's dropout A matmul: 33,361 against grouped's 33,991 real tokens/s for Llama-3.2-3B at dropout 0.05
@@ -79,44 +78,74 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
 
 
 class _ConcatLinear(torch.autograd.Function):
-    """x [N, in] @ concat^T with concat = [W_1; ...; W_k; A_1; ...; A_k] [O + R, in] (frozen W and the A rows, in
-    x's dtype), returned split into the k base outputs [N, o_i] and the k products x A_i^T [N, r_i] (views of one
-    [N, O + R] GEMM output). Backward: dx = [dy_1 .. dy_k, dxa_1 .. dxa_k] @ concat as ONE GEMM, and the A
-    gradients (dxa_1 .. dxa_k)^T x as ONE [R, in] GEMM; the frozen W gets none. `lora_as` (the float32 masters)
-    enter only so that their gradients have somewhere to go: their values are the concat's A rows, which the caller
-    keeps current (gapless.model.lora refreshes them before every forward)."""
+    """The k layers of one group, with concat = [W_1; ...; W_k; A_1; ...; A_k] [O + R, in] (frozen W and the A
+    rows, in x's dtype): x @ concat^T is ONE GEMM, split into the k base outputs [N, o_i] and the k products
+    xa_i = x A_i^T [N, r_i], and each layer's output is base_i + scaling_i * xa_i B_i^T (no bias: the caller adds
+    it). The B matmuls are inside so that backward reads each output's gradient dy_i from one place:
+
+        dz = [dy_1 .. dy_k]                          [N, O], the only consumer of the dy_i
+        dxa_i = scaling_i * dz[:, o_i] B_i           rank-r GEMMs over column slices of dz
+        dB_i = scaling_i * dz[:, o_i]^T xa_i
+        dx = dz [W_1; ..; W_k] + [dxa_1 .. dxa_k] [A_1; ..; A_k]
+        dA = [dxa_1 .. dxa_k]^T x                    ONE [R, in] GEMM for the group
+
+    With the B matmuls outside (autograd's own mm backward), each dy_i had two consumers, dxa/dB's GEMMs and the
+    cat [dy_1 .. dy_k, dxa_1 .. dxa_k] of the one dx GEMM, and inductor wrote each dy_i twice: into the cat and
+    contiguous for the GEMMs (537 MB per layer more for gate/up in Llama-3.2-3B at 16,384 tokens). dx as two GEMMs
+    adds one [N, in] read where the add fuses into what follows. The frozen W get no gradient. `lora_as` (the
+    float32 masters) enter only so that their gradients have somewhere to go: their values are the concat's A
+    rows, which the caller keeps current (gapless.model.lora refreshes them before every forward)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, concat: Tensor, sizes: tuple[int, ...], *lora_as: Tensor):
-        ctx.save_for_backward(x, concat)
-        k = ctx.k = len(lora_as)
-        ctx.sizes, ctx.a_dtypes = sizes, [a.dtype for a in lora_as]
-        parts = F.linear(x, concat).split(sizes, dim=-1)  # [..., O + R] -> k base outputs, k products x A^T
-        # the base outputs stay views (the bias and update adds read them once and the [..., O + R] output is then
-        # freed); each x A^T is copied out ([N, r], 0.5 MB at 16,384 tokens, r=16, bf16) because the B matmul
-        # saves it for dB, and a saved view would keep the whole output alive: 537 MB per layer for gate/up in
-        # Llama-3.2-3B, 15 GB over its 28 layers
-        return (*parts[:k], *(p.contiguous() for p in parts[k:]))
+    def forward(ctx, x: Tensor, concat: Tensor, outs: tuple[int, ...], scalings: tuple[float, ...], *adapters: Tensor):
+        k = len(outs)
+        lora_as, lora_bs = adapters[:k], adapters[k:]
+        ranks = tuple(a.shape[0] for a in lora_as)
+        parts = F.linear(x, concat).split((*outs, *ranks), dim=-1)  # k base outputs, k products x A^T
+        # each x A^T is copied out ([N, r], 0.5 MB at 16,384 tokens, r=16, bf16) to be saved for dB: a saved view
+        # would keep the whole [N, O + R] GEMM output alive (537 MB per layer for gate/up in Llama-3.2-3B)
+        xas = [p.contiguous() for p in parts[k:]]
+        bs = [b.to(x.dtype) for b in lora_bs]
+        ctx.save_for_backward(x, concat, *xas, *bs)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None (backward)
+        ctx.outs, ctx.ranks, ctx.scalings = outs, ranks, scalings
+        ctx.a_dtypes, ctx.b_dtypes = [a.dtype for a in lora_as], [b.dtype for b in lora_bs]
+        return tuple(y + F.linear(xa, b) * s for y, xa, b, s in zip(parts[:k], xas, bs, scalings))
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        x, concat = ctx.saved_tensors
-        # an output nobody used gets None: its slice of the gradient is zeros
-        grads = [torch.zeros(*x.shape[:-1], size, dtype=x.dtype, device=x.device) if g is None else g
-                 for g, size in zip(grads, ctx.sizes)]
-        dz = torch.cat(grads, dim=-1)  # [..., O + R]
-        dx = dz @ concat if ctx.needs_input_grad[0] else None  # [..., in], one GEMM over [W; A]
-        dxa = dz[..., sum(ctx.sizes[:ctx.k]):].flatten(0, -2)  # [N, R], a strided view
-        da = (dxa.t() @ x.flatten(0, -2)).split(ctx.sizes[ctx.k:])  # [R, in], one GEMM for the group
-        return (dx, None, None, *(d.to(dtype) for d, dtype in zip(da, ctx.a_dtypes)))
+        x, concat, *saved = ctx.saved_tensors
+        k, outs, width = len(ctx.outs), ctx.outs, sum(ctx.outs)
+        xas, bs = saved[:k], saved[k:]
+        # an output nobody used gets None: its slice of the gradient is zeros, and its B no gradient (as autograd
+        # gives the reference's); its A still gets the group GEMM's zeros
+        unused = [g is None for g in grads]
+        grads = [torch.zeros(*x.shape[:-1], o, dtype=x.dtype, device=x.device) if g is None else g
+                 for g, o in zip(grads, outs)]
+        dz = (torch.cat(grads, dim=-1) if k > 1 else grads[0]).flatten(0, -2)  # [N, O]
+        x2 = x.flatten(0, -2)
+        dys = dz.split(outs, dim=-1)  # column slices of dz, which the GEMMs read strided
+        dxa = torch.cat([(dy @ b) * s for dy, b, s in zip(dys, bs, ctx.scalings)], dim=-1)  # [N, R]
+        dbs = [(dy.t() @ xa.flatten(0, -2)) * s for dy, xa, s in zip(dys, xas, ctx.scalings)]  # each [o_i, r_i]
+        dx = None
+        if ctx.needs_input_grad[0] and k == 1 and width <= x.shape[-1]:
+            # one layer whose output is no wider than its input (o_proj; down_proj, 3,072 against 8,192): copying
+            # dy into [dy, dxa] for one GEMM moves fewer bytes than adding a second [N, in] product
+            dx = (torch.cat([dz, dxa], dim=-1) @ concat).view(x.shape)
+        elif ctx.needs_input_grad[0]:
+            dx = (dz @ concat[:width] + dxa @ concat[width:]).view(x.shape)  # [..., in]
+        da = (dxa.t() @ x2).split(ctx.ranks)  # [R, in], one GEMM for the group
+        return (dx, None, None, None, *(d.to(t) for d, t in zip(da, ctx.a_dtypes)),
+                *(None if u else d.to(t) for d, t, u in zip(dbs, ctx.b_dtypes, unused)))
 
 
 def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
                        lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[Tensor]:
     """lora_linear_reference for the k layers that read the same x (q/k/v; gate/up; or one layer alone), the frozen
     projections and the A matrices as ONE GEMM: x [W_1; ..; W_k; A_1; ..; A_k]^T gives every base output and every
-    x A_i^T, so x is read once forward and dx is one GEMM backward (_ConcatLinear). Then the rank-r B matmuls, the
-    scaling and the bias, which torch.compile fuses with what follows where it can.
+    x A_i^T, so x is read once forward (_ConcatLinear, which says how backward reads each output's gradient once).
+    Then the rank-r B matmuls and the scaling, inside the Function, and the bias outside; torch.compile traces
+    through both and fuses the adds with what follows.
 
     `concat` [sum out + sum r, in] holds the frozen weights, then the A rows, in x's dtype; its A rows must equal
     `lora_as` (cast to x's dtype) when this runs: gapless.model.lora keeps them current. No dropout: dropout(x) for
@@ -129,9 +158,9 @@ def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None
         f"concat buffer {tuple(concat.shape)} {concat.dtype} does not hold outputs {outs} and ranks {ranks} in "
         f"{x.dtype}")
     if torch.is_grad_enabled():
-        parts = _ConcatLinear.apply(x, concat, (*outs, *ranks), *lora_as)
-    else:  # evaluation, generation: the GEMM alone (dynamo cannot trace the Function's forward without autograd)
+        ys = _ConcatLinear.apply(x, concat, tuple(outs), tuple(scalings), *lora_as, *lora_bs)
+    else:  # evaluation, generation: plain ops (dynamo cannot trace the Function's forward without autograd)
         parts = F.linear(x, concat).split((*outs, *ranks), dim=-1)
-    k = len(outs)
-    return [(y if b is None else y + b) + F.linear(xa, lora_b.to(x.dtype)) * scaling
-            for y, b, xa, lora_b, scaling in zip(parts[:k], biases, parts[k:], lora_bs, scalings)]
+        k = len(outs)
+        ys = [y + F.linear(xa, b.to(x.dtype)) * s for y, xa, b, s in zip(parts[:k], parts[k:], lora_bs, scalings)]
+    return [y if b is None else y + b for y, b in zip(ys, biases)]
