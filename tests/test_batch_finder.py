@@ -153,6 +153,31 @@ def test_auto_is_a_config_value_that_needs_a_gpu(tmp_path):
         train(cfg, out=io.StringIO())
 
 
+def test_a_resume_with_auto_reuses_the_runs_number(tmp_path):
+    """Resumed with data.tokens_per_batch auto, a run keeps its batches: the batch finder's record where there is
+    one, else the number its config.yaml holds (a run started with a number); neither measures anything (the
+    model, the method and the device are never touched)."""
+    from gapless.train.loop import auto_tokens_per_batch
+    from gapless.train.runlock import write_run_config
+
+    class Said:
+        def __init__(self):
+            self.lines = []
+
+        def message(self, line):
+            self.lines.append(line)
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_run_config(run_dir, _demo_config(tmp_path, "run", **{"data.tokens_per_batch": 4096}))
+    cfg = _demo_config(tmp_path, "run", **{"data.tokens_per_batch": "auto", "resume": "true"})
+    said = Said()
+    assert auto_tokens_per_batch(cfg, None, None, None, None, run_dir, said).data.tokens_per_batch == 4096
+    assert said.lines == [f"data.tokens_per_batch auto: 4,096, as the run used ({run_dir / 'config.yaml'})"]
+    (run_dir / "batch_finder.json").write_text('{"tokens": 2048}')
+    assert auto_tokens_per_batch(cfg, None, None, None, None, run_dir, said).data.tokens_per_batch == 2048
+
+
 def test_split_rows_keeps_the_loss_and_the_token_counts(tmp_path):
     from gapless.data.batching import BatchSampler
     from gapless.data.pipeline import build_data

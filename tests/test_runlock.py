@@ -98,6 +98,18 @@ def test_resume_may_swap_lora_kernel_concat_and_grouped_only():
         check_resume(saved, new)
 
 
+def test_resume_with_auto_tokens_per_batch_accepts_the_recorded_number():
+    """A run started with data.tokens_per_batch auto records the batch finder's number in config.yaml; resuming
+    with the same config (auto) is no change (it found the GPU run refused, session 15). Another number is."""
+    saved, new = saved_and_new("data.tokens_per_batch=auto")
+    saved["data"]["tokens_per_batch"] = 3774784
+    assert check_resume(saved, new) == {}
+    saved, new = saved_and_new("data.tokens_per_batch=8192")
+    saved["data"]["tokens_per_batch"] = 3774784
+    with pytest.raises(ValueError, match=r"in data.tokens_per_batch \(data.tokens_per_batch: 3774784 -> 8192\)"):
+        check_resume(saved, new)
+
+
 def test_default_output_dir_is_per_run_and_resume_finds_the_newest(tmp_path):
     a = default_output_dir("examples/my-run.yaml", resume=False, root=tmp_path, now=0)
     b = default_output_dir("examples/my-run.yaml", resume=False, root=tmp_path, now=3600)

@@ -318,14 +318,19 @@ def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[to
                           run_dir: Path, progress: Progress) -> RunConfig:
     """cfg with data.tokens_per_batch "auto" replaced by the batch finder's choice (gapless.train.batch_finder),
     recorded in the run folder (batch_finder.json: every trial and the reason; config.yaml: the number). A resumed
-    run reuses the recorded choice: the sampler's position is only valid for the same batches."""
+    run reuses the recorded choice, or the number of a run started without auto (its config.yaml): the sampler's
+    position is only valid for the same batches."""
     from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
     from gapless.train.batch_finder import choose_tokens_per_batch
 
     record = run_dir / "batch_finder.json"
+    saved = (read_saved_config(run_dir) or {}).get("data", {}).get("tokens_per_batch") if cfg.resume else None
     if cfg.resume and record.is_file():
         tokens = int(json.loads(record.read_text())["tokens"])
         progress.message(f"data.tokens_per_batch auto: {tokens:,}, as chosen before ({record})")
+    elif isinstance(saved, int) and not isinstance(saved, bool):  # a run started with a number, resumed with auto
+        tokens = saved
+        progress.message(f"data.tokens_per_batch auto: {tokens:,}, as the run used ({run_dir / 'config.yaml'})")
     else:
         estimate = {"dtype": cfg.model.dtype, "lora_r": cfg.lora.r, "lora_targets": cfg.lora.target_modules,
                     "activation_checkpointing": cfg.model.activation_checkpointing,

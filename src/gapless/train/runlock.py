@@ -40,6 +40,9 @@ RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every
 # sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
 # default recorded grouped
 INTERCHANGEABLE = {"lora.kernel": {"concat", "grouped"}}
+# fields whose "auto" resolves, on resume, to the number the run's config.yaml holds (loop.auto_tokens_per_batch):
+# the config.yaml of a run started with auto records the number the batch finder chose
+AUTO_ON_RESUME = ("data.tokens_per_batch",)
 
 
 class RunLock:
@@ -133,7 +136,7 @@ def check_resume(saved: dict, new: dict) -> dict[str, tuple]:
     RESUMABLE fields that changed, {field: (old, new)}; any other change is a ValueError naming every such field."""
     old_flat, new_flat = _flatten(saved), _flatten(new)
     changed = {k: (old_flat.get(k), new_flat.get(k)) for k in sorted(old_flat.keys() | new_flat.keys())
-               if old_flat.get(k) != new_flat.get(k)}
+               if old_flat.get(k) != new_flat.get(k) and not (k in AUTO_ON_RESUME and new_flat.get(k) == "auto")}
     refused = {k: v for k, v in changed.items()
                if not k.startswith(RESUMABLE) and not set(v) <= INTERCHANGEABLE.get(k, set())}
     if refused:
