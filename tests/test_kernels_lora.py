@@ -137,7 +137,8 @@ def test_grouped_with_dropout_shares_one_mask_per_group(hf_checkpoint, monkeypat
 
 
 def test_kernel_is_validated():
-    with pytest.raises(ValueError, match=r"lora.kernel: 'triton' is not one of \['grouped', 'reference', 'concat'\]"):
+    with pytest.raises(ValueError, match=r"lora.kernel: 'triton' is not one of "
+                                         r"\['grouped', 'reference', 'concat', 'concat_b'\]"):
         LoraConfig(kernel="triton").validate()
     with pytest.raises(ValueError, match=r"config.lora.kernel: 'triton' is not one of"):
         from_dict(RunConfig, {"model": {"path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},

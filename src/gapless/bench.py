@@ -164,6 +164,8 @@ CONFIGS = {
     # the default before run s12-default (lora.kernel grouped; rows before it named `default` ran this): 33,142
     # against concat's 33,683 tok/s on an H100 in one call (then named default and default_concat)
     "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
+    # the B matrices inside the base GEMM instead of the A rows (lora.kernel concat_b), measured against default
+    "default_concat_b": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b"),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
     "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                                     lora_dropout=0.05, fused_dropout=False),

@@ -45,7 +45,12 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                35,002 in one call (run s14-default). Where it cannot apply it runs "grouped", the same sums:
 #                dropout > 0 (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
 #                and FSDP2 (each rank holds shards, not the whole projections).
-LoraKernel = Literal["grouped", "reference", "concat"]
+#   "concat_b"   the B matrices inside the base GEMM instead, along its input: x A^T as one rank-R GEMM, then
+#                [x, x A^T] [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's
+#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Under measurement
+#                against concat (issue 18); the same sums, and where concat runs grouped so does it.
+LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
+CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
 
 
 @dataclass

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from gapless.config import ALL_LINEAR, LoraConfig, LoraKernel
-from gapless.kernels.lora import lora_linear_concat, lora_linear_grouped, lora_linear_reference
+from gapless.config import ALL_LINEAR, CONCAT_KERNELS, LoraConfig, LoraKernel
+from gapless.kernels.lora import lora_linear_concat, lora_linear_concat_b, lora_linear_grouped, lora_linear_reference
 from gapless.kernels.lora_dropout import FusedDropout
 from gapless.model.export import atomic_folder, save_pretrained  # noqa: F401  (save_pretrained: merged export)
 from gapless.model.families import family
@@ -80,9 +80,10 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.lora_concat is not None:  # o_proj, down_proj: [W; A] as one GEMM
-            return lora_linear_concat(x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight],
-                                      [self.scaling])[0]
+        if self.lora_concat is not None:  # o_proj, down_proj: [W; A] (or [W, sB]) as one GEMM
+            run = lora_linear_concat_b if self.kernel == "concat_b" else lora_linear_concat
+            return run(x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight],
+                       [self.scaling])[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
 
@@ -98,12 +99,13 @@ class LoraLinear(nn.Module):
         concat = [getattr(layer, "lora_concat", None) is not None for layer in layers]
         if any(concat):  # the layers concat_lora_weights put in one buffer, in this order; the others alone
             members = [layer for layer, join in zip(layers, concat) if join]
-            outs = iter(lora_linear_concat(
+            run = lora_linear_concat_b if members[0].kernel == "concat_b" else lora_linear_concat
+            outs = iter(run(
                 x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
                 [m.lora_B.weight for m in members], [m.scaling for m in members]))
             return [next(outs) if join else layer(x) for layer, join in zip(layers, concat)]
         # "concat" layers whose buffer is not built yet run grouped: the same sums
-        joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", "concat") for layer in layers]
+        joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", *CONCAT_KERNELS) for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]
@@ -155,7 +157,7 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
     pairs = getattr(model, "_lora_concat_rows", [])
     for parent in model.modules():
         children = {name: m for name, m in parent.named_children()
-                    if type(m) is LoraLinear and m.kernel == "concat" and m.lora_concat is None}
+                    if type(m) is LoraLinear and m.kernel in CONCAT_KERNELS and m.lora_concat is None}
         groups = [[children[n] for n in names if n in children] for names in CONCAT_GROUPS]
         groups += [[m] for n, m in children.items() if not any(n in names for names in CONCAT_GROUPS)]
         for group in groups:
@@ -165,17 +167,8 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
             dtype = group[0].weight.dtype
             assert all(m.weight.dtype == dtype and m.weight.device == group[0].weight.device for m in group), (
                 "the layers of one group hold their weights in one dtype on one device")
-            with torch.no_grad():  # [sum out + sum r, in]
-                buffer = torch.cat([m.weight for m in group] + [m.lora_A.weight.to(dtype) for m in group])
-            row = 0
-            for m in group:
-                m.weight = nn.Parameter(buffer[row:row + m.out_features], requires_grad=m.weight.requires_grad)
-                m.lora_concat = buffer
-                row += m.out_features
-            for m in group:
-                r = m.lora_A.out_features
-                pairs.append((buffer[row:row + r], m.lora_A.weight))
-                row += r
+            build = _concat_b_buffer if group[0].kernel == "concat_b" else _concat_buffer
+            pairs += build(group, dtype)
     if pairs and not hasattr(model, "_lora_concat_rows"):
         model._lora_concat_rows = pairs
         model._lora_concat_hook = model.register_forward_pre_hook(_refresh_concat_rows)
@@ -183,10 +176,47 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
+def _concat_buffer(group: list[LoraLinear], dtype: torch.dtype) -> list[tuple[Tensor, Tensor, float]]:
+    """kernel "concat": [W_1; ..; W_k; A_1; ..; A_k] [sum out + sum r, in]; each `weight` becomes a view of its rows.
+    Returns (the buffer's A rows, the master A, 1.0) per layer, for _refresh_concat_rows."""
+    buffer = torch.cat([m.weight for m in group] + [m.lora_A.weight.to(dtype) for m in group])
+    row, pairs = 0, []
+    for m in group:
+        m.weight = nn.Parameter(buffer[row:row + m.out_features], requires_grad=m.weight.requires_grad)
+        m.lora_concat = buffer
+        row += m.out_features
+    for m in group:
+        r = m.lora_A.out_features
+        pairs.append((buffer[row:row + r], m.lora_A.weight, 1.0))
+        row += r
+    return pairs
+
+
+@torch.no_grad()
+def _concat_b_buffer(group: list[LoraLinear], dtype: torch.dtype) -> list[tuple[Tensor, Tensor, float]]:
+    """kernel "concat_b": [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..] [sum out, in + sum r] (the B matrices
+    block-diagonal beside the weights, gapless.kernels.lora.lora_linear_concat_b); each `weight` becomes a view of
+    its rows' first `in` columns (strided: a row is in + sum r long). Returns (the B block, the master B, scaling)
+    per layer, for _refresh_concat_rows."""
+    width, ranks = group[0].in_features, [m.lora_A.out_features for m in group]
+    buffer = group[0].weight.new_zeros(sum(m.out_features for m in group), width + sum(ranks), dtype=dtype)
+    row, col, pairs = 0, width, []
+    for m, r in zip(group, ranks):
+        rows = slice(row, row + m.out_features)
+        buffer[rows, :width] = m.weight
+        m.weight = nn.Parameter(buffer[rows, :width], requires_grad=m.weight.requires_grad)
+        m.lora_concat = buffer
+        pairs.append((buffer[rows, col:col + r], m.lora_B.weight, m.scaling))
+        row, col = row + m.out_features, col + r
+    return pairs
+
+
+@torch.no_grad()
 def _refresh_concat_rows(model: nn.Module, args) -> None:
-    """The buffers' A rows from the float32 master A (concat_lora_weights): before every forward, in eager."""
-    rows, masters = zip(*model._lora_concat_rows)
-    torch._foreach_copy_(list(rows), list(masters))
+    """The buffers' adapter rows (concat: A) or columns (concat_b: scaling * B) from the float32 masters
+    (concat_lora_weights): before every forward, in eager."""
+    parts, masters, scalings = zip(*model._lora_concat_rows)
+    torch._foreach_copy_(list(parts), torch._foreach_mul(list(masters), list(scalings)))
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -195,7 +225,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     kernel "concat" (the default) with dropout > 0 runs "grouped", the same sums: the A rows would read
     dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel)."""
     cfg.validate()
-    kernel = "grouped" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
+    kernel = "grouped" if cfg.kernel in CONCAT_KERNELS and cfg.dropout > 0 else cfg.kernel
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
     targets = [name for name, m in model.named_modules()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gapless.config import LoraConfig
+from gapless.config import CONCAT_KERNELS, LoraConfig
 from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE, NF4Weight, dequantize_nf4, nf4_codes, quantize_nf4
 from gapless.model.lora import LoraLinear, _lora_layers, _set_submodule, apply_lora
 
@@ -144,7 +144,7 @@ class QLoraLinear(LoraLinear):
         its own dequantised weight (LoraLinear's would save each dequantised weight for backward); other layers run
         alone."""
         # "concat" runs grouped here: an NF4 base has no rows to append A's to
-        joins = [isinstance(layer, QLoraLinear) and layer.kernel in ("grouped", "concat") for layer in layers]
+        joins = [isinstance(layer, QLoraLinear) and layer.kernel in ("grouped", *CONCAT_KERNELS) for layer in layers]
         grouped = [layer for layer, join in zip(layers, joins) if join]
         if len(grouped) < 2:
             return [layer(x) for layer in layers]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gapless.config import RunConfig, resolve_device, to_dict
+from gapless.config import CONCAT_KERNELS, RunConfig, resolve_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
@@ -86,7 +86,7 @@ def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str |
     why (None where nothing changed): LoRA dropout (the A rows would read dropout(x), the base rows x), QLoRA (an NF4
     base has no rows to append A's to), FSDP2 (each rank holds shards, not whole projections)."""
     lora = cfg.lora
-    if cfg.method == "full" or lora.kernel != "concat":
+    if cfg.method == "full" or lora.kernel not in CONCAT_KERNELS:
         return cfg, None
     why = (f"lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the base" if lora.dropout > 0
            else "method qlora: an NF4 base has no rows to append A's to" if cfg.method == "qlora"
@@ -94,7 +94,7 @@ def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str |
     if why is None:
         return cfg, None
     return (replace(cfg, lora=replace(lora, kernel="grouped")),
-            f"lora.kernel: grouped, not concat ({why}; the same sums, one A matmul per group)")
+            f"lora.kernel: grouped, not {lora.kernel} ({why}; the same sums, one A matmul per group)")
 
 
 def resolve_per_epoch(cfg: RunConfig, batches_per_epoch: int) -> tuple[RunConfig, str | None]:

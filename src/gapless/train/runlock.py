@@ -39,7 +39,7 @@ RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every
 # values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat runs grouped's
 # sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
 # default recorded grouped
-INTERCHANGEABLE = {"lora.kernel": {"concat", "grouped"}}
+INTERCHANGEABLE = {"lora.kernel": {"concat", "concat_b", "grouped"}}
 # fields whose "auto" resolves, on resume, to the number the run's config.yaml holds (loop.auto_tokens_per_batch):
 # the config.yaml of a run started with auto records the number the batch finder chose
 AUTO_ON_RESUME = ("data.tokens_per_batch",)
@@ -145,7 +145,7 @@ def check_resume(saved: dict, new: dict) -> dict[str, tuple]:
         raise ValueError(f"--resume: the config differs from the run's config.yaml in {', '.join(refused)} "
                          f"({listed}); a resumed run must train the same model on the same data with the same "
                          f"settings. Only these may change on resume: {', '.join(RESUMABLE)} (and lora.kernel "
-                         "between concat and grouped). Start a new run for the new settings")
+                         "among concat, concat_b and grouped). Start a new run for the new settings")
     return changed
 
 

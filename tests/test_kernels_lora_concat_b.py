@@ -1,0 +1,165 @@
+"""LoRA's "concat_b" kernel (the B matrices inside the base GEMM, along its input:
+gapless.kernels.lora.lora_linear_concat_b) against the per-layer reference formula, as test_kernels_lora_concat.py
+holds "concat" to it. float32 on the CPU: the same sums in another order (~1e-7 relative), atol = rtol = 1e-5."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+import gapless
+from gapless.config import ALL_LINEAR, LoraConfig
+from gapless.kernels.lora import lora_linear_concat_b, lora_linear_reference
+from gapless.model.lora import LoraLinear, apply_lora, load_adapter, merge_lora, save_adapter
+from gapless.train.compile import compile_layers, frames_not_compiled
+from test_kernels_lora_concat import TOL, batch, logits_loss_grads, lora_model
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["down_proj"]])
+def test_concat_b_agrees_with_reference_on_a_tiny_model(hf_checkpoint, targets):
+    """Logits and every A and B gradient equal the per-layer formula's, with biases on every projection; the state
+    dict (the base weights are strided views of the buffers) is the reference's, key for key."""
+    _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
+    ours, reference = lora_model(folder, "concat_b", targets), lora_model(folder, "reference", targets)
+    assert all(m.lora_concat is not None for m in ours.modules() if isinstance(m, LoraLinear))
+    logits, grads = logits_loss_grads(ours)
+    ref_logits, ref_grads = logits_loss_grads(reference)
+    assert_close(logits, ref_logits, **TOL)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(targets or ALL_LINEAR) * 2
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+    mine, theirs = ours.state_dict(), reference.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+def test_kernel_gradients_against_the_formula():
+    """lora_linear_concat_b alone, 3 layers (out 6, 4, 4; r 2, 3, 2) over [2, 5, 8], one output unused: y, dx, dA
+    and dB against the reference by autograd; the unused layer's B gets no gradient, the buffer none."""
+    g = torch.Generator().manual_seed(0)
+    outs, ranks, scalings = (6, 4, 4), (2, 3, 2), (2.0, 0.5, 1.0)
+    x = torch.randn(2, 5, 8, generator=g)
+    ws = [torch.randn(o, 8, generator=g) for o in outs]
+    bs = [torch.randn(6, generator=g), None, torch.randn(4, generator=g)]
+    a_s = [torch.randn(r, 8, generator=g) for r in ranks]
+    b_s = [torch.randn(o, r, generator=g) for o, r in zip(outs, ranks)]
+    dys = [torch.randn(2, 5, o, generator=g) for o in outs]
+    buffer = torch.zeros(sum(outs), 8 + sum(ranks))
+    row, col = 0, 8
+    for w, b, s in zip(ws, b_s, scalings):
+        buffer[row:row + w.shape[0], :8] = w
+        buffer[row:row + w.shape[0], col:col + b.shape[1]] = b * s
+        row, col = row + w.shape[0], col + b.shape[1]
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        aa = [a.clone().requires_grad_() for a in a_s]
+        bb = [b.clone().requires_grad_() for b in b_s]
+        ys = fn(xx, aa, bb)
+        torch.autograd.backward(ys[:2], dys[:2])
+        return [*ys, xx.grad, *(a.grad for a in aa), *(b.grad for b in bb)]
+
+    got = run(lambda xx, aa, bb: lora_linear_concat_b(xx, buffer, bs, aa, bb, scalings))
+    want = run(lambda xx, aa, bb: [lora_linear_reference(xx, *args) for args in zip(ws, bs, aa, bb, scalings)])
+    for i, (g_, w_) in enumerate(zip(got, want)):
+        if w_ is None:  # the unused layer's A: the group's one A GEMM gives it zeros
+            assert g_ is None or not g_.any(), i
+        else:
+            assert_close(g_, w_, **TOL, msg=lambda m: f"output {i}: {m}")
+    assert got[-1] is None and buffer.grad is None
+
+
+def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
+    """Each weight is a strided view of its group's [W | s B] buffer (storage grows by the B blocks only); writing
+    a weight writes the buffer; after an optimizer step the buffer's B columns are scaling * the master B and a
+    second step's loss and gradients equal the reference's."""
+    _, folder = hf_checkpoint("llama", attention_bias=True)
+    models = {k: lora_model(folder, k) for k in ("concat_b", "reference")}
+    ours = models["concat_b"]
+    attn = ours.model.layers[1].self_attn
+    buffer = attn.q_proj.lora_concat
+    assert buffer is attn.k_proj.lora_concat is attn.v_proj.lora_concat and buffer.shape == (64 + 32 + 32, 64 + 12)
+    assert attn.k_proj.weight.stride() == (76, 1)
+
+    def storage_bytes(model):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*model.parameters(), *model.buffers()]}.values())
+
+    buffers = {m.lora_concat.data_ptr(): m for m in ours.modules() if isinstance(m, LoraLinear)}
+    b_columns = sum(m.lora_concat.shape[0] * (m.lora_concat.shape[1] - m.in_features) * 4 for m in buffers.values())
+    assert len(buffers) == 4 * 2 and storage_bytes(ours) == storage_bytes(models["reference"]) + b_columns
+    grads = {}
+    for kernel, model in models.items():
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        logits_loss_grads(model, seed=0)
+        opt.step()
+        opt.zero_grad()
+        grads[kernel] = logits_loss_grads(model, seed=1)
+    assert torch.equal(buffer[64:96, 64 + 4:64 + 8], attn.k_proj.lora_B.weight * attn.k_proj.scaling)
+    assert not buffer[64:96, 64:64 + 4].any() and not buffer[64:96, 64 + 8:].any()
+    assert_close(grads["concat_b"][0], grads["reference"][0], **TOL)
+    for name, grad in grads["concat_b"][1].items():
+        assert_close(grad, grads["reference"][1][name], **TOL, msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():
+        attn.k_proj.weight.fill_(0.5)
+    assert (buffer[64:96, :64] == 0.5).all() and not (buffer[64:96, 64:] == 0.5).any()
+
+
+def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path):
+    """save_adapter of a concat_b model loads back with the same logits; merge_lora gives the same logits as plain
+    linears (contiguous weights) and drops the buffers and their refresh hook."""
+    _, folder = hf_checkpoint("llama", attention_bias=True)
+    model = lora_model(folder, "concat_b").eval()
+    ids = batch()[0]
+    with torch.no_grad():
+        want = model(ids)
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    loaded, _ = load_adapter(gapless.load_model(folder), tmp_path / "adapter")
+    with torch.no_grad():
+        assert_close(loaded.eval()(ids), want, **TOL)
+        merged = merge_lora(model)
+        assert not any(isinstance(m, LoraLinear) for m in merged.modules())
+        assert not hasattr(merged, "_lora_concat_hook") and not merged._forward_pre_hooks
+        assert all(p.is_contiguous() for p in merged.parameters())
+        assert_close(merged(ids), want, **TOL)
+
+
+def test_dropout_runs_grouped(hf_checkpoint):
+    _, folder = hf_checkpoint("llama")
+    model = apply_lora(gapless.load_model(folder), LoraConfig(r=4, dropout=0.1, kernel="concat_b"))
+    assert all(m.kernel == "grouped" and m.lora_concat is None for m in model.modules() if isinstance(m, LoraLinear))
+
+
+def test_compiled_layers_share_one_graph_and_match_eager():
+    """compile_layers over 4 decoder layers: no more graphs than the reference kernel, nothing eager, and the
+    compiled gradients equal the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from gapless.model.decoder import CausalLM, ModelArgs
+    args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    graphs, grads = {}, {}
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    for kernel, compiled in (("reference", True), ("concat_b", True), ("concat_b", False)):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = apply_lora(CausalLM(args), LoraConfig(r=4, kernel=kernel))
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, LoraLinear):
+                    m.lora_B.weight.normal_(0, 0.1)
+        if compiled:
+            model = compile_layers(model)
+        model(ids).sum().backward()
+        graphs[kernel, compiled] = counters["stats"]["unique_graphs"]
+        assert frames_not_compiled() == 0
+        grads[kernel, compiled] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        if kernel == "concat_b" and compiled:  # evaluation: no autograd, the plain GEMM, still compiled
+            with torch.no_grad():
+                model.eval()(ids)
+            assert frames_not_compiled() == 0
+    assert graphs["concat_b", True] == graphs["reference", True] <= 2, graphs
+    for name, grad in grads["concat_b", False].items():
+        assert_close(grads["concat_b", True][name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(grad, grads["reference", True][name], **TOL, msg=lambda m: f"{name}: {m}")
