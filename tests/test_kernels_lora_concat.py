@@ -275,7 +275,8 @@ def test_activation_checkpointing_recomputes_the_same():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_bf16_tiny_model_after_a_step():
+@pytest.mark.parametrize("kernel", ["concat", "concat_b"])
+def test_cuda_bf16_tiny_model_after_a_step(kernel):
     """On CUDA in bf16, compiled: after an optimizer step of a float32 grouped model, its float32 masters A and B
     copied into a bf16 concat model (whose pre-forward hook must cast the moved A into its bf16 A rows) and a bf16
     grouped model: concat's logits and gradients are as close to the float32 model's as grouped's are (1e-2, or
@@ -294,18 +295,18 @@ def test_cuda_bf16_tiny_model_after_a_step():
     opt.step()
     opt.zero_grad()
     results = {}
-    for kernel, dtype in (("float32", torch.float32), ("grouped", torch.bfloat16), ("concat", torch.bfloat16)):
-        model = ref if kernel == "float32" else compile_layers(tiny_decoder(kernel, "cuda", dtype))
+    for name_, dtype in (("float32", torch.float32), ("grouped", torch.bfloat16), (kernel, torch.bfloat16)):
+        model = ref if name_ == "float32" else compile_layers(tiny_decoder(name_, "cuda", dtype))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.requires_grad:
                     p.copy_(trainable[name])
         logits = model(ids)
         logits.float().square().mean().backward()
-        results[kernel] = [logits, *(p.grad for p in model.parameters() if p.requires_grad)]
-    assert len(results["concat"]) == len(results["float32"]) == 1 + 2 * 7 * 2
+        results[name_] = [logits, *(p.grad for p in model.parameters() if p.requires_grad)]
+    assert len(results[kernel]) == len(results["float32"]) == 1 + 2 * 7 * 2
     assert rel(results["float32"][0].detach(), before.detach()) > 5e-2
-    for i, (got, base, want) in enumerate(zip(results["concat"], results["grouped"], results["float32"])):
+    for i, (got, base, want) in enumerate(zip(results[kernel], results["grouped"], results["float32"])):
         assert rel(got, want) < max(1e-2, 1.5 * rel(base, want)), (i, rel(got, want), rel(base, want))
 
 
