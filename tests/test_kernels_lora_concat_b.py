@@ -160,6 +160,8 @@ def test_compiled_layers_share_one_graph_and_match_eager():
                 model.eval()(ids)
             assert frames_not_compiled() == 0
     assert graphs["concat_b", True] == graphs["reference", True] <= 2, graphs
+    # inductor's float32 sums in another order: up to ~2e-5 on a few elements of A's gradients (seen once in 128)
+    tol = dict(atol=1e-4, rtol=1e-4)
     for name, grad in grads["concat_b", False].items():
-        assert_close(grads["concat_b", True][name], grad, **TOL, msg=lambda m: f"{name}: {m}")
-        assert_close(grad, grads["reference", True][name], **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(grads["concat_b", True][name], grad, **tol, msg=lambda m: f"{name}: {m}")
+        assert_close(grad, grads["reference", True][name], **tol, msg=lambda m: f"{name}: {m}")
