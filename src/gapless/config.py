@@ -42,13 +42,16 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                33,683 against grouped's 33,142 real tok/s with flash-attn-4 on an H100, in one call (run
 #                s12-default; 33,619 against 33,122 in s11's two calls); with varlen 498.8 against 506.6 ms of
 #                kernels a step (run s12-prof). On an H200 (more bandwidth) the two are equal: 34,943 against
-#                35,002 in one call (run s14-default). Where it cannot apply it runs "grouped", the same sums:
+#                35,002 in one call (run s14-default). With its B matmuls moved inside its autograd.Function (so
+#                backward writes each output gradient once): 34,734 against grouped's 33,306 on an H100 (run
+#                s15-default, +4.3%). Where it cannot apply it runs "grouped", the same sums:
 #                dropout > 0 (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
 #                and FSDP2 (each rank holds shards, not the whole projections).
 #   "concat_b"   the B matrices inside the base GEMM instead, along its input: x A^T as one rank-R GEMM, then
 #                [x, x A^T] [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's
-#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Under measurement
-#                against concat (issue 18); the same sums, and where concat runs grouped so does it.
+#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Built, not
+#                measured yet (bench config default_concat_b against default, issue 18); the same sums, and where
+#                concat runs grouped so does it.
 LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
 CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
 
@@ -65,7 +68,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "concat"  # how a LoRA layer runs: concat, grouped or reference (see LoraKernel)
+    kernel: LoraKernel = "concat"  # how a LoRA layer runs: concat, concat_b, grouped or reference (LoraKernel)
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:
