@@ -32,7 +32,8 @@
 #   bash bench/run_gpu.sh profile  where a `default` and a `default_grouped` step go (bench/profile_step.py; PROFILE_CONFIGS
 #                                  picks others, PROFILE_MODEL another model), on a machine where flash-attn-4 is
 #                                  installed (a `default` call before)
-#   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat_b) side by side on Llama-3.2-3B
+#   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat_b,default_dropout,
+#                                  default_dropout_concat_b) side by side on Llama-3.2-3B
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -138,7 +139,7 @@ elif [[ $MODE == profile ]]; then
 elif [[ $MODE == ab ]]; then
   # two (or more) configurations side by side on Llama-3.2-3B in one process (AB_CONFIGS), on a machine where an
   # earlier call stashed .whl/fa4a when this one carries .whl/fa4b (so `auto` runs fa4_op as `default` does)
-  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_concat_b}"
+  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_concat_b,default_dropout,default_dropout_concat_b}"
 elif [[ $MODE == peer ]]; then
   bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}" \
     --tokens-per-batch "${PEER_TOKENS:-$BIG_TOKENS}"

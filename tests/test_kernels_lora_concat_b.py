@@ -124,10 +124,30 @@ def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path):
         assert_close(merged(ids), want, **TOL)
 
 
-def test_dropout_runs_grouped(hf_checkpoint):
-    _, folder = hf_checkpoint("llama")
-    model = apply_lora(gapless.load_model(folder), LoraConfig(r=4, dropout=0.1, kernel="concat_b"))
-    assert all(m.kernel == "grouped" and m.lora_concat is None for m in model.modules() if isinstance(m, LoraLinear))
+def test_dropout_runs_in_concat_b_with_grouped_masks(hf_checkpoint):
+    """Under dropout concat_b keeps its buffers (only its rank-R GEMM reads dropout(x)) and draws one mask per group,
+    as grouped does: under the same seed the logits and every A and B gradient equal grouped's (torch's dropout on
+    the CPU); the run resolves to concat_b, where concat resolves to grouped."""
+    from gapless.config import RunConfig, from_dict
+    from gapless.train.loop import resolve_lora_kernel
+
+    _, folder = hf_checkpoint("llama", attention_bias=True)
+    ours, grouped = lora_model(folder, "concat_b", dropout=0.1), lora_model(folder, "grouped", dropout=0.1)
+    assert all(m.kernel == "concat_b" and m.lora_concat is not None
+               for m in ours.modules() if isinstance(m, LoraLinear))
+    results = []
+    for model in (ours, grouped):
+        torch.manual_seed(5)
+        results.append(logits_loss_grads(model))
+    assert_close(results[0][0], results[1][0], **TOL)
+    for name, grad in results[0][1].items():
+        assert_close(grad, results[1][1][name], **TOL, msg=lambda m: f"{name}: {m}")
+    torch.manual_seed(6)  # another mask: other logits (the masks are drawn, not skipped)
+    assert not torch.allclose(logits_loss_grads(ours)[0], results[0][0])
+    for kernel, runs in (("concat_b", "concat_b"), ("concat", "grouped")):
+        cfg = from_dict(RunConfig, {"model": {"path": str(folder)}, "data": {"sources": [{"path": "d.jsonl"}]},
+                                    "lora": {"r": 4, "kernel": kernel, "dropout": 0.05}})
+        assert resolve_lora_kernel(cfg, "single")[0].lora.kernel == runs
 
 
 def test_compiled_layers_share_one_graph_and_match_eager():

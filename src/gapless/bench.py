@@ -166,6 +166,9 @@ CONFIGS = {
     "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
     # the B matrices inside the base GEMM instead of the A rows (lora.kernel concat_b), measured against default
     "default_concat_b": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b"),
+    # ... and under the seed's dropout 0.05, which concat_b runs itself (against default_dropout, which runs grouped)
+    "default_dropout_concat_b": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
+                                       lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
     "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                                     lora_dropout=0.05, fused_dropout=False),

@@ -210,19 +210,28 @@ class _ConcatBLinear(torch.autograd.Function):
 
 
 def lora_linear_concat_b(x: Tensor, buffer: Tensor, biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
-                         lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[Tensor]:
+                         lora_bs: Sequence[Tensor], scalings: Sequence[float],
+                         dropout: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """lora_linear_reference for the k layers that read the same x, the B matrices inside the base GEMM (LoraKernel
-    "concat_b"): x [A_1; ..; A_k]^T as one rank-R GEMM, then ONE GEMM of [x, x A^T] against `buffer`
-    [sum out, in + sum r] = the frozen weights with the scaled B matrices appended as columns, block-diagonally
-    (_ConcatBLinear), then the biases. Its B columns must equal scaling_i * lora_bs[i] (in x's dtype) when this
-    runs: gapless.model.lora keeps them current. No dropout (the caller runs lora_linear_grouped). Same sums as the
-    reference (float32 on the CPU, ~1e-7)."""
+    "concat_b"): dropout(x) [A_1; ..; A_k]^T as one rank-R GEMM, then ONE GEMM of [x, dropout(x) A^T] against
+    `buffer` [sum out, in + sum r] = the frozen weights with the scaled B matrices appended as columns,
+    block-diagonally (_ConcatBLinear), then the biases. Its B columns must equal scaling_i * lora_bs[i] (in x's
+    dtype) when this runs: gapless.model.lora keeps them current. Same sums as the reference (float32 on the CPU,
+    ~1e-7).
+
+    Dropout fits here, where it cannot in lora_linear_concat: only the rank-R GEMM reads dropout(x), so the base
+    GEMM still reads x. ONE mask for the group, as lora_linear_grouped draws it (its docstring; fused in the kernel
+    where an nn.Dropout in training on CUDA allows, gapless.kernels.lora_dropout)."""
     outs = [b.shape[0] for b in lora_bs]
     ranks = [a.shape[0] for a in lora_as]
     assert buffer.shape == (sum(outs), x.shape[-1] + sum(ranks)) and buffer.dtype == x.dtype, (
         f"concat_b buffer {tuple(buffer.shape)} {buffer.dtype} does not hold outputs {outs}, input {x.shape[-1]} and "
         f"ranks {ranks} in {x.dtype}")
-    xa = F.linear(x, torch.cat([a.to(x.dtype) for a in lora_as]))  # [..., R]
+    if fused_dropout_applies(x, dropout):
+        xa = lora_dropout_a(x, list(lora_as), dropout.p)  # [..., R]
+    else:
+        xd = x if dropout is None else dropout(x)
+        xa = F.linear(xd, torch.cat([a.to(x.dtype) for a in lora_as]))  # [..., R]
     if torch.is_grad_enabled():
         ys = _ConcatBLinear.apply(x, xa, buffer, tuple(outs), tuple(scalings), *lora_bs)
     else:  # evaluation, generation: the GEMM alone (dynamo cannot trace the Function's forward without autograd)

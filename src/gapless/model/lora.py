@@ -81,9 +81,10 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.lora_concat is not None:  # o_proj, down_proj: [W; A] (or [W, sB]) as one GEMM
-            run = lora_linear_concat_b if self.kernel == "concat_b" else lora_linear_concat
-            return run(x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight],
-                       [self.scaling])[0]
+            args = x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight], [self.scaling]
+            if self.kernel == "concat_b":
+                return lora_linear_concat_b(*args, dropout=self.lora_dropout)[0]
+            return lora_linear_concat(*args)[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
 
@@ -99,10 +100,10 @@ class LoraLinear(nn.Module):
         concat = [getattr(layer, "lora_concat", None) is not None for layer in layers]
         if any(concat):  # the layers concat_lora_weights put in one buffer, in this order; the others alone
             members = [layer for layer, join in zip(layers, concat) if join]
-            run = lora_linear_concat_b if members[0].kernel == "concat_b" else lora_linear_concat
-            outs = iter(run(
-                x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
-                [m.lora_B.weight for m in members], [m.scaling for m in members]))
+            args = (x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
+                    [m.lora_B.weight for m in members], [m.scaling for m in members])
+            outs = iter(lora_linear_concat_b(*args, dropout=members[0].lora_dropout)
+                        if members[0].kernel == "concat_b" else lora_linear_concat(*args))
             return [next(outs) if join else layer(x) for layer, join in zip(layers, concat)]
         # "concat" layers whose buffer is not built yet run grouped: the same sums
         joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", *CONCAT_KERNELS) for layer in layers]
@@ -223,9 +224,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype 
     """Add LoRA to the decoder layers' linear projections named by cfg.target_modules; freeze all else.
 
     kernel "concat" (the default) with dropout > 0 runs "grouped", the same sums: the A rows would read
-    dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel)."""
+    dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel). "concat_b" keeps
+    dropout: only its rank-R GEMM reads dropout(x)."""
     cfg.validate()
-    kernel = "grouped" if cfg.kernel in CONCAT_KERNELS and cfg.dropout > 0 else cfg.kernel
+    kernel = "grouped" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
     targets = [name for name, m in model.named_modules()

@@ -82,14 +82,16 @@ def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str |
 
 
 def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str | None]:
-    """cfg with lora.kernel "concat" replaced by "grouped" where concat cannot run (the same sums), and a line saying
-    why (None where nothing changed): LoRA dropout (the A rows would read dropout(x), the base rows x), QLoRA (an NF4
-    base has no rows to append A's to), FSDP2 (each rank holds shards, not whole projections)."""
+    """cfg with lora.kernel "concat" (or "concat_b") replaced by "grouped" where it cannot run (the same sums), and a
+    line saying why (None where nothing changed): LoRA dropout under concat (the A rows would read dropout(x), the
+    base rows x; concat_b reads dropout(x) in its own rank-R GEMM), QLoRA (an NF4 base has no rows or columns to
+    append to), FSDP2 (each rank holds shards, not whole projections)."""
     lora = cfg.lora
     if cfg.method == "full" or lora.kernel not in CONCAT_KERNELS:
         return cfg, None
-    why = (f"lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the base" if lora.dropout > 0
-           else "method qlora: an NF4 base has no rows to append A's to" if cfg.method == "qlora"
+    why = (f"lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the base"
+           if lora.dropout > 0 and lora.kernel == "concat"
+           else "method qlora: an NF4 base has no rows or columns to append to" if cfg.method == "qlora"
            else "FSDP2 shards the projections" if strategy == "fsdp" else None)
     if why is None:
         return cfg, None
