@@ -185,3 +185,27 @@ def test_compiled_layers_share_one_graph_and_match_eager():
     for name, grad in grads["concat_b", False].items():
         assert_close(grads["concat_b", True][name], grad, **tol, msg=lambda m: f"{name}: {m}")
         assert_close(grad, grads["reference", True][name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_dropout_equals_grouped():
+    """On CUDA (float32), dropout 0.1 through the fused kernel (gapless.kernels.lora_dropout, whose seed is drawn
+    from torch's generator): concat_b and grouped draw the same mask per group under the same seed, so their logits
+    and gradients agree to float32 rounding."""
+    from gapless.kernels.lora_dropout import FusedDropout
+    from test_kernels_lora_concat import tiny_decoder
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    results = {}
+    for kernel in ("grouped", "concat_b"):
+        model = tiny_decoder(kernel, "cuda", torch.float32)
+        for m in model.modules():
+            if isinstance(m, LoraLinear):  # what apply_lora gives at lora.dropout 0.1 (and concat_b keeps)
+                m.lora_dropout = FusedDropout(0.1)
+        torch.manual_seed(3)
+        logits = model.train()(ids)
+        logits.square().mean().backward()
+        results[kernel] = [logits, *(p.grad for p in model.parameters() if p.requires_grad)]
+    for i, (got, want) in enumerate(zip(results["concat_b"], results["grouped"])):
+        assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{i}: {m}")
