@@ -136,8 +136,10 @@ CONCAT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def concat_lora_weights(model: nn.Module) -> nn.Module:
     """Give the LoRA layers of kernel "concat" their concatenated buffer [W_1; ..; W_k; A_1; ..; A_k] per group
-    (gapless.kernels.lora.lora_linear_concat), once the weights exist (Lora.initialise after loading; apply_lora on
-    a loaded model); groups still on the meta device are left for later.
+    (gapless.kernels.lora.lora_linear_concat), and those of kernel "concat_b" theirs, [[W_1, s_1 B_1, 0 ..], ..]
+    (_concat_b_buffer), once the weights exist (Lora.initialise after loading; apply_lora on a loaded model); groups
+    still on the meta device are left for later. What follows says it for concat; concat_b is the same with the
+    scaled B blocks in place of the A rows (its weights are strided views: each row is in + sum r long).
 
     The base weights live once: each layer's `weight` becomes a Parameter viewing its rows of the buffer (same
     state-dict keys and values; load_state_dict and merge_lora read and write them there) and the loaded tensor is
@@ -217,7 +219,9 @@ def _refresh_concat_rows(model: nn.Module, args) -> None:
     """The buffers' adapter rows (concat: A) or columns (concat_b: scaling * B) from the float32 masters
     (concat_lora_weights): before every forward, in eager."""
     parts, masters, scalings = zip(*model._lora_concat_rows)
-    torch._foreach_copy_(list(parts), torch._foreach_mul(list(masters), list(scalings)))
+    if any(s != 1.0 for s in scalings):  # concat_b's s_i B_i; concat's A rows are copies (no temporaries)
+        masters = torch._foreach_mul(list(masters), list(scalings))
+    torch._foreach_copy_(list(parts), list(masters))
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
