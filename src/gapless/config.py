@@ -44,9 +44,9 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                kernels a step (run s12-prof). On an H200 (more bandwidth) the two are equal: 34,943 against
 #                35,002 in one call (run s14-default). With its B matmuls moved inside its autograd.Function (so
 #                backward writes each output gradient once): 34,734 against grouped's 33,306 on an H100 (run
-#                s15-default, +4.3%). Where it cannot apply it runs "grouped", the same sums:
-#                dropout > 0 (the A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to)
-#                and FSDP2 (each rank holds shards, not the whole projections).
+#                s15-default, +4.3%). Where it cannot apply it runs "grouped", the same sums: dropout > 0 (the
+#                A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to) and
+#                FSDP2 (each rank holds shards, not the whole projections).
 #   "concat_b"   the B matrices inside the base GEMM instead, along its input: x A^T as one rank-R GEMM, then
 #                [x, x A^T] [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's
 #                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Built, not
