@@ -1,8 +1,9 @@
-"""LoRA's linear layer in three forms (LoraConfig.kernel picks one; gapless.config says what each measured):
+"""LoRA's linear layer in four forms (LoraConfig.kernel picks one; gapless.config says what each measured):
 lora_linear_reference, the plain formula, one layer at a time; lora_linear_grouped, the same formula for the
 layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul; and lora_linear_concat (the
 default), the frozen projections and the A matrices of those layers as one GEMM over a buffer
-[W_1; ..; W_k; A_1; ..; A_k], so each activation is read once.
+[W_1; ..; W_k; A_1; ..; A_k], so each activation is read once; and lora_linear_concat_b, the B matrices inside
+the base GEMM instead, along its input (not measured yet).
 
     y = x W^T + b + scaling * (dropout(x) A^T) B^T        x [N, in], W [out, in], A [r, in], B [out, r]
 
@@ -171,10 +172,10 @@ class _ConcatBLinear(torch.autograd.Function):
 
         y = [x, xa_1 .. xa_k] @ buffer^T,   buffer = [[W_1, s_1 B_1, 0, ..], [W_2, 0, s_2 B_2, ..], ..]  [O, in + R]
 
-    where xa_i = x A_i^T is computed by the caller (an autograd op, so dA and the dx through A are autograd's). The
-    GEMM's output is each layer's whole output: no rank-r B GEMM writes an [N, o] product and nothing reads one
-    again, and the consumer of y (SwiGLU, RoPE, the residual add) reads one tensor. Backward, with dz = [dy_1 ..
-    dy_k] (the only consumer of the dy_i, as in _ConcatLinear):
+    where xa_i = x A_i^T (dropout(x) A_i^T under dropout) is computed by the caller (an autograd op, so dA and the
+    dx through A are autograd's). The GEMM's output is each layer's whole output: no rank-r B GEMM writes an
+    [N, o] product and nothing reads one again, and the consumer of y (SwiGLU, RoPE, the residual add) reads one
+    tensor. Backward, with dz = [dy_1 .. dy_k] (the only consumer of the dy_i, as in _ConcatLinear):
 
         dx = dz [W_1; ..; W_k]                  the buffer's first `in` columns, read strided
         dxa_i = s_i dz[:, o_i] B_i,  dB_i = s_i dz[:, o_i]^T xa_i
