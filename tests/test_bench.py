@@ -253,7 +253,10 @@ def test_peers_run_as_subprocess_with_replayed_lengths(setup, shared):
         assert r["command"].startswith("PACK_TOKENS=256 ") and "--tiny" in r["command"]
         # the documents replayed from the peer's seeded stream are the ones it counted
         implied = r["peer_result"]["real_tok_s"] * r["peer_result"]["step_s"] * r["steps"]
-        assert r["real_tokens"] == pytest.approx(implied, rel=0.01)
+        # the peer prints step_s to the millisecond: on a --tiny step of tens of ms that rounding alone is ~1%
+        # (609 real tokens against 615.2 implied, seen once on a loaded 2-core box)
+        rounding = r["peer_result"]["real_tok_s"] * 0.0005 * r["steps"]
+        assert r["real_tokens"] == pytest.approx(implied, rel=0.01, abs=rounding)
         assert "another architecture" in r["mfu_note"]  # --tiny builds the peer's own tiny shape, not --model's
     assert got[0]["padding_fraction"] > 0
 

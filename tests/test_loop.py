@@ -430,3 +430,46 @@ def test_per_epoch_run_evaluates_and_saves_at_the_resolved_interval(base, capsys
     assert (ran.train.eval_every, ran.train.evals_per_epoch, ran.checkpoint.every, ran.checkpoint.per_epoch) == \
         (evals, None, saves, None)
     shutil.rmtree(result.run_dir)
+
+
+def test_data_is_tokenized_beside_the_models_load(base, monkeypatch, tmp_path):
+    """setup starts build_data in its own thread before the model is built and loaded: the (patched) load waits
+    for the data to have started, which it could not if the two ran one after the other; the run trains on it. A
+    load that fails reports its own error, after the data thread has finished."""
+    import threading
+
+    import gapless.data.pipeline
+    import gapless.train.assemble
+
+    started, finished, threads = threading.Event(), threading.Event(), []
+    real_build, real_assemble = gapless.data.pipeline.build_data, gapless.train.assemble.assemble
+
+    def build(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        started.set()
+        try:
+            return real_build(*args, **kwargs)
+        finally:
+            finished.set()
+
+    def assemble(*args, **kwargs):
+        assert started.wait(timeout=60), "the data did not start before the model's load"
+        return real_assemble(*args, **kwargs)
+
+    monkeypatch.setattr(gapless.data.pipeline, "build_data", build)
+    monkeypatch.setattr(gapless.train.assemble, "assemble", assemble)
+    cfg = run_config(base, "beside", **{"train.steps": 2, "data.cache_dir": str(tmp_path / "cache")})
+    result = train(cfg)
+    assert threads and threads[0].startswith("gapless-data") and sorted(result.losses) == [1, 2]
+
+    def failing(*args, **kwargs):
+        assert started.wait(timeout=60)
+        raise ValueError("model.path: a shard is missing")
+
+    started.clear()
+    finished.clear()
+    monkeypatch.setattr(gapless.train.assemble, "assemble", failing)
+    cfg = run_config(base, "beside-fails", **{"data.cache_dir": str(tmp_path / "cache2")})
+    with pytest.raises(ValueError, match="a shard is missing"):
+        train(cfg)
+    assert finished.is_set()
