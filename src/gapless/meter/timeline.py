@@ -101,10 +101,8 @@ class StartupParts:
     """Where start-up's seconds went, from the run's clock start (t0) to the end of step 1: `mark(part)` closes the
     part running since the previous mark, so the parts add up to the first step's wall time by construction. The
     parts `gapless train` marks: imports_config (the interpreter, the imports, the config, the run folder), model
-    (build, transform, load the weights), data (read and tokenize, or the token cache; a single-process run with a
-    fixed tokens_per_batch tokenizes beside the model's load, so this is the wait left after it), other (optimizer,
-    peak FLOPs, checkpoints, the GPU monitor), first_step (its batch, the compile, forward, backward, update,
-    settled)."""
+    (build, transform, load the weights), data (read and tokenize, or the token cache), other (optimizer, peak FLOPs,
+    checkpoints, the GPU monitor), first_step (its batch, the compile, forward, backward, update, settled)."""
 
     def __init__(self, t0: float, clock: Callable[[], float] = time.perf_counter):
         self.clock, self._t = clock, t0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 import math
 import os
 import time
@@ -262,27 +261,13 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # the settings that need the model's config.json, before the model is built or any data is tokenized
     model_config = read_config(cfg.model.path)
     cfg.check_model(model_config)
-    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-    # the data tokenized beside the model's build and load where nothing it needs waits for the model: one process
-    # (several ranks tokenize on rank 0 first, then read its cache) and tokens_per_batch known (auto is the batch
-    # finder's, measured on the loaded model). Cold, the two overlap: tokenizing is CPU work in the data workers,
-    # loading is reading files and copying to the GPU (the H200's cold start spent 5.9 s loading, then 9.5 s on the
-    # data, bench/RESULTS.md eleventh round); warm, the token cache answers in ~0.1 s either way
-    early = None
-    if data is None and not parallel.active and cfg.data.tokens_per_batch != "auto":
-        early = data_beside(build_data, cfg, tokenizer_dir, model_config.get("vocab_size"))
 
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
     progress.phase("startup: building and loading the model")
     method = method_of(cfg)
-    try:
-        model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
-                         activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
-                         parallel=parallel)
-    except BaseException:  # the model's error is the one to report, once the data thread is done with its files
-        if early is not None:
-            wait([early])
-        raise
+    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
+                     activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
+                     parallel=parallel)
     startup.mark("model")
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
@@ -299,12 +284,11 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
+    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     progress.phase("startup: reading and tokenizing the data")
     startup.mark("other")
-    if early is not None:  # started beside the model: what is left of it (the startup record's data part)
-        mix, eval_mix, summary = early.result()
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
-        if early is None and tokenizing == parallel.is_main:
+        if tokenizing == parallel.is_main:
             mix, eval_mix, summary = data if data is not None else build_data(
                 cfg.data, tokenizer_dir, vocab_size=model_config.get("vocab_size"))
         parallel.barrier()
@@ -330,16 +314,6 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
                sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, NonFinite(device),
                startup, parallel)
-
-
-def data_beside(build_data, cfg: RunConfig, tokenizer_dir: Path, vocab_size: int | None) -> Future:
-    """build_data(cfg.data, ...) started in a thread of its own (setup: beside the model's load); its result, or its
-    error (a bad record's file and line), comes from the future's result()."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gapless-data")
-    try:
-        return pool.submit(build_data, cfg.data, tokenizer_dir, vocab_size=vocab_size)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
