@@ -229,7 +229,8 @@ class Encoder:
             if system_lost:
                 counts["system_not_rendered"] += 1
             return full, None
-        located = {i: self._locate(ex, messages, tools, full, i) for i in turns}
+        prompts = {i: self._render(ex, messages[:i], tools, True) for i in turns}  # each turn's, rendered once
+        located = {i: self._locate(ex, messages, tools, full, i, prompts[i]) for i in turns}
         unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
         if unlocated and len(unlocated) < len(turns):
             # a turn not plain text (a tool call) whose prompt is in place: it ends at the first end-of-turn token
@@ -238,7 +239,7 @@ class Encoder:
             end_of_turn = self._end_of_turn(full, *located[last])
             for i, _ in unlocated:
                 later = [span[0] for j, span in located.items() if j > i and not isinstance(span, str)]
-                located[i] = self._to_end_of_turn(ex, messages, tools, full, i, end_of_turn,
+                located[i] = self._to_end_of_turn(full, prompts[i], end_of_turn,
                                                   min(later, default=len(full))) or located[i]
             unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
         spans = [located[i] for i in turns]
@@ -255,13 +256,13 @@ class Encoder:
             counts["system_not_rendered"] += 1
         return full, spans
 
-    def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str,
-                i: int) -> tuple[int, int] | str:
+    def _locate(self, ex: Example, messages: list[dict], tools: list | None, full: str, i: int,
+                prompt: str) -> tuple[int, int] | str:
         """The character span of assistant turn i in `full`: from the end of its prompt (messages[:i] and the
         generation prompt) to the end of messages[:i + 1], less any text the template writes only at a
         conversation's end (Phi-3's eos_token after the last turn: later turns follow a turn without it, and the
-        model ends its answer at <|end|>); where `full` does not start with either rendering, which one."""
-        prompt = self._render(ex, messages[:i], tools, True)
+        model ends its answer at <|end|>); where `full` does not start with either rendering, which one. `prompt`:
+        messages[:i] rendered with the generation prompt."""
         if not full.startswith(prompt):
             return (self._marked_span(ex, messages, tools, full, i)
                     or f"the prompt of messages[{i}] (messages[:{i}] and the generation prompt)")
@@ -286,13 +287,12 @@ class Encoder:
             pass
         return last.group() if last else None
 
-    def _to_end_of_turn(self, ex: Example, messages: list[dict], tools: list | None, full: str, i: int,
-                        end_of_turn: str | None, before: int) -> tuple[int, int] | None:
-        """Turn i's span where its prompt is a prefix of `full`: to the end of the first `end_of_turn` after the
-        prompt, which must come before `before` (the next located turn's start)."""
+    def _to_end_of_turn(self, full: str, prompt: str, end_of_turn: str | None, before: int) -> tuple[int, int] | None:
+        """A turn's span where its `prompt` (what precedes it, with the generation prompt) is a prefix of `full`: to
+        the end of the first `end_of_turn` after the prompt, which must come before `before` (the next located
+        turn's start)."""
         if not end_of_turn:
             return None
-        prompt = self._render(ex, messages[:i], tools, True)
         at = full.find(end_of_turn, len(prompt)) if full.startswith(prompt) else -1
         if at < 0 or at + len(end_of_turn) > before:
             return None
