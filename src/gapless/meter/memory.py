@@ -197,8 +197,9 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
 
 def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat") -> int:
     """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
-    each mask drawn. grouped (and concat, which runs grouped with dropout): the targeted projections that read the
-    same input share one mask (q/k/v; gate/up); reference: one mask per targeted projection."""
+    each mask drawn. grouped (and concat, which runs grouped with dropout, and concat_b, which draws grouped's
+    masks): the targeted projections that read the same input share one mask (q/k/v; gate/up); reference: one mask
+    per targeted projection."""
     shapes = projection_shapes(args)
     if kernel == "reference":
         return sum(shapes[name][0] for name in targets)

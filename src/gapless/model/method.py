@@ -83,7 +83,7 @@ class Lora(Method):
                 layer.lora_A.to_empty(device=device)
                 layer.lora_B.to_empty(device=device)
                 layer.reset_lora_parameters()
-        return concat_lora_weights(model)  # lora.kernel "concat": [W; A] buffers, now that the weights exist
+        return concat_lora_weights(model)  # lora.kernel concat / concat_b: their buffers, now that the weights exist
 
     @property
     def flops(self) -> dict:
