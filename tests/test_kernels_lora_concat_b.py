@@ -209,3 +209,23 @@ def test_cuda_fused_dropout_equals_grouped():
         results[kernel] = [logits, *(p.grad for p in model.parameters() if p.requires_grad)]
     for i, (got, want) in enumerate(zip(results["concat_b"], results["grouped"])):
         assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{i}: {m}")
+
+
+def test_assemble_builds_the_buffers_after_loading(hf_checkpoint):
+    """gapless.train.assemble: LoRA on the meta device, the weights loaded, then Lora.initialise builds concat_b's
+    buffers from the loaded weights: each weight equals the checkpoint's, the B blocks are the (zero) B's."""
+    from gapless.config import RunConfig, from_dict
+    from gapless.model.loading import build
+    from gapless.model.method import method_of
+    from gapless.train.assemble import assemble
+    _, folder = hf_checkpoint("llama")
+    cfg = from_dict(RunConfig, {"model": {"path": str(folder)}, "data": {"sources": [{"path": "d.jsonl"}]},
+                                "lora": {"r": 4, "kernel": "concat_b"}})
+    model = assemble(build(folder), method_of(cfg), torch.device("cpu"), torch.float32)
+    plain = gapless.load_model(folder)
+    mlp = model.model.layers[0].mlp
+    buffer = mlp.gate_proj.lora_concat
+    assert buffer is mlp.up_proj.lora_concat and buffer.shape == (2 * mlp.up_proj.out_features, 64 + 8)
+    assert torch.equal(mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(buffer[mlp.gate_proj.out_features:, :64], plain.model.layers[0].mlp.up_proj.weight)
+    assert not buffer[:, 64:].any()  # B starts at zero, PEFT's init
