@@ -229,3 +229,22 @@ def test_assemble_builds_the_buffers_after_loading(hf_checkpoint):
     assert torch.equal(mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight)
     assert torch.equal(buffer[mlp.gate_proj.out_features:, :64], plain.model.layers[0].mlp.up_proj.weight)
     assert not buffer[:, 64:].any()  # B starts at zero, PEFT's init
+
+
+@pytest.mark.parametrize("kernel", ["concat", "concat_b"])
+def test_generation_sees_the_current_adapters(kernel):
+    """Generation runs hidden_states without forward: the buffers' adapter parts are refreshed there too. A and B
+    changed after the buffers were built (as an optimizer step or a loaded adapter changes them): the model generates
+    what the reference formula generates (the refresh used to hang on the model's forward, so concat generated with
+    the old A rows and concat_b with its initial zero B blocks)."""
+    from gapless.model.generate import generate_ids
+    from test_kernels_lora_concat import tiny_decoder
+
+    models = {k: tiny_decoder(k).eval() for k in ("reference", kernel)}
+    for model in models.values():
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, LoraLinear):
+                    m.lora_A.weight.mul_(3.0)
+    want, got = (generate_ids(models[k], [1, 5, 7, 9], max_new_tokens=12).tokens for k in ("reference", kernel))
+    assert got == want

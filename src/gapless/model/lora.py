@@ -13,6 +13,7 @@ with the frozen projections and the A matrices of those layers as one GEMM (conc
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -146,8 +147,9 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
     freed, so memory grows by the A rows only (r rows per layer in the weights' dtype: 24 MB, 0.4%, for
     Llama-3.2-3B at r=16) plus, while one group is built, one group's copy (100 MB for its gate/up).
 
-    A forward pre-hook on `model` copies the float32 master A into the buffers' A rows before every forward, in
-    eager, so an optimizer step or a resume is seen by the next forward: 7 [16, in] copies per layer, ~2.6 MB of
+    A forward pre-hook on the embedding copies the float32 master A into the buffers' A rows before every pass
+    over the layers (forward, or generation's hidden_states), in eager, so an optimizer step or a resume is seen by
+    the next forward: 7 [16, in] copies per layer, ~2.6 MB of
     reads and writes per Llama-3.2-3B layer, ~72 MB (~20 us on the H200) per step against its ~450 ms, where
     copying the whole weight would move ~6 GB. Not inside the compiled layers: a write into a slice of a graph
     input is functionalised and may copy the whole buffer.
@@ -174,7 +176,11 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
             pairs += build(group, dtype)
     if pairs and not hasattr(model, "_lora_concat_rows"):
         model._lora_concat_rows = pairs
-        model._lora_concat_hook = model.register_forward_pre_hook(_refresh_concat_rows)
+        # on the embedding, the first module every pass over the layers calls (eagerly): CausalLM.forward, and
+        # hidden_states alone, which generation calls without forward (a hook on the model missed it: generation
+        # read stale A rows, or concat_b's initial zero B blocks)
+        first = getattr(getattr(model, "model", None), "embed_tokens", model)
+        model._lora_concat_hook = first.register_forward_pre_hook(functools.partial(_refresh_concat_rows, model))
     return model
 
 
@@ -215,7 +221,7 @@ def _concat_b_buffer(group: list[LoraLinear], dtype: torch.dtype) -> list[tuple[
 
 
 @torch.no_grad()
-def _refresh_concat_rows(model: nn.Module, args) -> None:
+def _refresh_concat_rows(model: nn.Module, module: nn.Module, args) -> None:
     """The buffers' adapter rows (concat: A) or columns (concat_b: scaling * B) from the float32 masters
     (concat_lora_weights): before every forward, in eager."""
     parts, masters, scalings = zip(*model._lora_concat_rows)
