@@ -78,6 +78,24 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
             for w, b, xa, lora_b, scaling in zip(weights, biases, xas, lora_bs, scalings)]
 
 
+def _b_grads(grads: Sequence[Tensor | None], outs: tuple[int, ...], xas: Sequence[Tensor], bs: Sequence[Tensor],
+             scalings: Sequence[float], b_dtypes: Sequence[torch.dtype]) -> tuple[Tensor, Tensor, list]:
+    """Backward through the k layers' B matmuls, y_i += s_i xa_i B_i^T, shared by _ConcatLinear and _ConcatBLinear:
+    (dz [N, O] = [dy_1 .. dy_k], the only consumer of the dy_i; dxa [N, R] = [s_i dy_i B_i]; dB_i = s_i dy_i^T xa_i
+    in the masters' dtypes). An output nobody used gets None: its slice of dz is zeros and its B no gradient (as
+    autograd gives the reference's); its A still gets the group GEMM's zeros."""
+    lead = xas[0].shape[:-1]
+    unused = [g is None for g in grads]
+    grads = [torch.zeros(*lead, o, dtype=xas[0].dtype, device=xas[0].device) if g is None else g
+             for g, o in zip(grads, outs)]
+    dz = (torch.cat(grads, dim=-1) if len(grads) > 1 else grads[0]).flatten(0, -2)  # [N, O]
+    dys = dz.split(outs, dim=-1)  # column slices of dz, which the GEMMs read strided
+    dxa = torch.cat([(dy @ b) * s for dy, b, s in zip(dys, bs, scalings)], dim=-1)  # [N, R]
+    dbs = [None if u else ((dy.t() @ xa.flatten(0, -2)) * s).to(t)  # each [o_i, r_i]
+           for dy, xa, s, t, u in zip(dys, xas, scalings, b_dtypes, unused)]
+    return dz, dxa, dbs
+
+
 class _ConcatLinear(torch.autograd.Function):
     """The k layers of one group, with concat = [W_1; ...; W_k; A_1; ...; A_k] [O + R, in] (frozen W and the A
     rows, in x's dtype): x @ concat^T is ONE GEMM, split into the k base outputs [N, o_i] and the k products
@@ -116,18 +134,8 @@ class _ConcatLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Tensor):
         x, concat, *saved = ctx.saved_tensors
-        k, outs, width = len(ctx.outs), ctx.outs, sum(ctx.outs)
-        xas, bs = saved[:k], saved[k:]
-        # an output nobody used gets None: its slice of the gradient is zeros, and its B no gradient (as autograd
-        # gives the reference's); its A still gets the group GEMM's zeros
-        unused = [g is None for g in grads]
-        grads = [torch.zeros(*x.shape[:-1], o, dtype=x.dtype, device=x.device) if g is None else g
-                 for g, o in zip(grads, outs)]
-        dz = (torch.cat(grads, dim=-1) if k > 1 else grads[0]).flatten(0, -2)  # [N, O]
-        x2 = x.flatten(0, -2)
-        dys = dz.split(outs, dim=-1)  # column slices of dz, which the GEMMs read strided
-        dxa = torch.cat([(dy @ b) * s for dy, b, s in zip(dys, bs, ctx.scalings)], dim=-1)  # [N, R]
-        dbs = [(dy.t() @ xa.flatten(0, -2)) * s for dy, xa, s in zip(dys, xas, ctx.scalings)]  # each [o_i, r_i]
+        k, width = len(ctx.outs), sum(ctx.outs)
+        dz, dxa, dbs = _b_grads(grads, ctx.outs, saved[:k], saved[k:], ctx.scalings, ctx.b_dtypes)
         dx = None
         if ctx.needs_input_grad[0] and k == 1 and width <= x.shape[-1]:
             # one layer whose output is no wider than its input (o_proj; down_proj, 3,072 against 8,192): copying
@@ -135,9 +143,8 @@ class _ConcatLinear(torch.autograd.Function):
             dx = (torch.cat([dz, dxa], dim=-1) @ concat).view(x.shape)
         elif ctx.needs_input_grad[0]:
             dx = (dz @ concat[:width] + dxa @ concat[width:]).view(x.shape)  # [..., in]
-        da = (dxa.t() @ x2).split(ctx.ranks)  # [R, in], one GEMM for the group
-        return (dx, None, None, None, *(d.to(t) for d, t in zip(da, ctx.a_dtypes)),
-                *(None if u else d.to(t) for d, t, u in zip(dbs, ctx.b_dtypes, unused)))
+        da = (dxa.t() @ x.flatten(0, -2)).split(ctx.ranks)  # [R, in], one GEMM for the group
+        return (dx, None, None, None, *(d.to(t) for d, t in zip(da, ctx.a_dtypes)), *dbs)
 
 
 def lora_linear_concat(x: Tensor, concat: Tensor, biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
@@ -197,17 +204,10 @@ class _ConcatBLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Tensor):
         xa, buffer, *bs = ctx.saved_tensors
-        k, outs = len(ctx.outs), ctx.outs
-        unused = [g is None for g in grads]  # its B gets no gradient, as autograd gives the reference's
-        grads = [torch.zeros(*xa.shape[:-1], o, dtype=xa.dtype, device=xa.device) if g is None else g
-                 for g, o in zip(grads, outs)]
-        dz = (torch.cat(grads, dim=-1) if k > 1 else grads[0]).flatten(0, -2)  # [N, O]
-        dys = dz.split(outs, dim=-1)
-        xas = xa.flatten(0, -2).split([b.shape[1] for b in bs], dim=-1)
-        dxa = torch.cat([(dy @ b) * s for dy, b, s in zip(dys, bs, ctx.scalings)], dim=-1).view(xa.shape)
-        dbs = [(dy.t() @ a) * s for dy, a, s in zip(dys, xas, ctx.scalings)]
+        xas = xa.split([b.shape[1] for b in bs], dim=-1)
+        dz, dxa, dbs = _b_grads(grads, ctx.outs, xas, bs, ctx.scalings, ctx.b_dtypes)
         dx = (dz @ buffer[:, :ctx.width]).view(*xa.shape[:-1], ctx.width) if ctx.needs_input_grad[0] else None
-        return (dx, dxa, None, None, None, *(None if u else d.to(t) for d, t, u in zip(dbs, ctx.b_dtypes, unused)))
+        return (dx, dxa.view(xa.shape), None, None, None, *dbs)
 
 
 def lora_linear_concat_b(x: Tensor, buffer: Tensor, biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
