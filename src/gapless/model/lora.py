@@ -82,10 +82,7 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.lora_concat is not None:  # o_proj, down_proj: [W; A] (or [W, sB]) as one GEMM
-            args = x, self.lora_concat, [self.bias], [self.lora_A.weight], [self.lora_B.weight], [self.scaling]
-            if self.kernel == "concat_b":
-                return lora_linear_concat_b(*args, dropout=self.lora_dropout)[0]
-            return lora_linear_concat(*args)[0]
+            return _concat_forward(x, [self])[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
 
@@ -100,11 +97,7 @@ class LoraLinear(nn.Module):
         # (guards on each module's identity) and past dynamo's recompile limit (8) the other layers run eager
         concat = [getattr(layer, "lora_concat", None) is not None for layer in layers]
         if any(concat):  # the layers concat_lora_weights put in one buffer, in this order; the others alone
-            members = [layer for layer, join in zip(layers, concat) if join]
-            args = (x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
-                    [m.lora_B.weight for m in members], [m.scaling for m in members])
-            outs = iter(lora_linear_concat_b(*args, dropout=members[0].lora_dropout)
-                        if members[0].kernel == "concat_b" else lora_linear_concat(*args))
+            outs = iter(_concat_forward(x, [layer for layer, join in zip(layers, concat) if join]))
             return [next(outs) if join else layer(x) for layer, join in zip(layers, concat)]
         # "concat" layers whose buffer is not built yet run grouped: the same sums
         joins = [isinstance(layer, LoraLinear) and layer.kernel in ("grouped", *CONCAT_KERNELS) for layer in layers]
@@ -119,6 +112,16 @@ class LoraLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"r={self.lora_A.out_features}, scaling={self.scaling:g}, kernel={self.kernel}")
+
+
+def _concat_forward(x: Tensor, members: Sequence[LoraLinear]) -> list[Tensor]:
+    """The layers of one concat buffer (concat_lora_weights' order) applied to x: lora_linear_concat, or
+    lora_linear_concat_b with the group's dropout."""
+    args = (x, members[0].lora_concat, [m.bias for m in members], [m.lora_A.weight for m in members],
+            [m.lora_B.weight for m in members], [m.scaling for m in members])
+    if members[0].kernel == "concat_b":
+        return lora_linear_concat_b(*args, dropout=members[0].lora_dropout)
+    return lora_linear_concat(*args)
 
 
 def _lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
