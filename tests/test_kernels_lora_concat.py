@@ -153,11 +153,13 @@ def test_optimizer_step_refreshes_the_a_rows(hf_checkpoint):
         assert_close(grad, grads["reference"][1][name], **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path):
-    """save_adapter of a concat model loads back (as grouped) with the same logits; merge_lora gives the same
-    logits as plain linears and drops the buffers and their refresh hook."""
+@pytest.mark.parametrize("kernel", ["concat", "concat_b"])
+def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path, kernel):
+    """save_adapter of a concat (concat_b) model loads back (as grouped) with the same logits; merge_lora gives the
+    same logits as plain linears (contiguous weights, where concat_b's were strided views) and drops the buffers
+    and their refresh hook."""
     _, folder = hf_checkpoint("llama", attention_bias=True)
-    model = lora_model(folder, "concat").eval()
+    model = lora_model(folder, kernel).eval()
     ids = batch()[0]
     with torch.no_grad():
         want = model(ids)
@@ -168,6 +170,7 @@ def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path):
         merged = merge_lora(model)
         assert not any(isinstance(m, LoraLinear) for m in merged.modules())
         assert not hasattr(merged, "_lora_concat_hook") and not merged._forward_pre_hooks
+        assert all(p.is_contiguous() for p in merged.parameters())
         assert_close(merged(ids), want, **TOL)
 
 

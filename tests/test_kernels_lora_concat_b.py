@@ -8,9 +8,9 @@ from torch.testing import assert_close
 import gapless
 from gapless.config import ALL_LINEAR, LoraConfig
 from gapless.kernels.lora import lora_linear_concat_b, lora_linear_reference
-from gapless.model.lora import LoraLinear, apply_lora, load_adapter, merge_lora, save_adapter
+from gapless.model.lora import LoraLinear, apply_lora
 from gapless.train.compile import compile_layers, frames_not_compiled
-from test_kernels_lora_concat import TOL, batch, logits_loss_grads, lora_model
+from test_kernels_lora_concat import TOL, logits_loss_grads, lora_model
 
 
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["down_proj"]])
@@ -103,25 +103,6 @@ def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
     with torch.no_grad():
         attn.k_proj.weight.fill_(0.5)
     assert (buffer[64:96, :64] == 0.5).all() and not (buffer[64:96, 64:] == 0.5).any()
-
-
-def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path):
-    """save_adapter of a concat_b model loads back with the same logits; merge_lora gives the same logits as plain
-    linears (contiguous weights) and drops the buffers and their refresh hook."""
-    _, folder = hf_checkpoint("llama", attention_bias=True)
-    model = lora_model(folder, "concat_b").eval()
-    ids = batch()[0]
-    with torch.no_grad():
-        want = model(ids)
-    save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(folder))
-    loaded, _ = load_adapter(gapless.load_model(folder), tmp_path / "adapter")
-    with torch.no_grad():
-        assert_close(loaded.eval()(ids), want, **TOL)
-        merged = merge_lora(model)
-        assert not any(isinstance(m, LoraLinear) for m in merged.modules())
-        assert not hasattr(merged, "_lora_concat_hook") and not merged._forward_pre_hooks
-        assert all(p.is_contiguous() for p in merged.parameters())
-        assert_close(merged(ids), want, **TOL)
 
 
 def test_dropout_runs_in_concat_b_with_grouped_masks(hf_checkpoint):
