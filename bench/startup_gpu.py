@@ -147,6 +147,14 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
             "process_s": round(wall, 3)}
 
 
+def autotuned_kernels(log: Path) -> list[str]:
+    """The kernels inductor's runtime autotuner benchmarked in one run (its "Best config for NAME: ..." debug line,
+    which TORCH_LOGS=+torch._inductor.runtime.triton_heuristics turns on), in order."""
+    words = "Best config for "
+    return [line.split(words, 1)[1].split(":", 1)[0] for line in log.read_text(errors="replace").splitlines()
+            if words in line]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama and a small data set (CPU, seconds)")
@@ -196,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(caches, ignore_errors=True)  # cold: nothing compiled, nothing tokenized
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "compile"), "PYTHONUNBUFFERED": "1",
            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(caches / "flash_attn_cute"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           # inductor's runtime autotuner logs "Best config for KERNEL" each time it benchmarks a kernel's configs:
+           # session 15's warm start still benchmarked 2 kernels (6.5 s profiled), which its cache should have held
+           "TORCH_LOGS": os.environ.get("TORCH_LOGS", "+torch._inductor.runtime.triton_heuristics")}
     results, page_cache_dropped = {}, False
     def train_command(run_dir: Path) -> list[str]:
         return ["-m", "gapless.cli", "train", str(opts.config), f"model.path={work / 'model'}",
@@ -216,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_phases"].items()), flush=True)
 
     cold, warm = results["cold"], results["warm"]
+    autotuned = {name: autotuned_kernels(work / f"{name}.log") for name in results}
+    best_configs = len(list((caches / "compile").rglob("*.best_config")))
+    print(f"[startup] kernels autotuned at run time: cold {len(autotuned['cold'])}, warm {len(autotuned['warm'])}"
+          + (f" ({', '.join(autotuned['warm'])}; in the cold run too: "
+             f"{sorted(set(autotuned['warm']) & set(autotuned['cold']))})" if autotuned["warm"] else "")
+          + f"; {best_configs} .best_config files in the compile cache", flush=True)
     peaks = [r["peak_gib"] for r in (cold, warm) if r["peak_gib"] is not None]
     row = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "system": "gapless",
@@ -230,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
            "cold_inside_s": cold["inside_s"], "warm_inside_s": warm["inside_s"],
            "cold_breakdown": cold["breakdown"], "warm_breakdown": warm["breakdown"],
            "cold_peak_gib": cold["peak_gib"], "warm_peak_gib": warm["peak_gib"],
+           "autotuned_cold": len(autotuned["cold"]), "autotuned_warm": autotuned["warm"],
            "host_peak_gib": max(cold["host_peak_gib"], warm["host_peak_gib"]),
            "describe": f"start-up of {opts.config.name}, process start to the end of step 1: cold "
                        f"{cold['outside_s']:.1f} s, warm {warm['outside_s']:.1f} s (targets {TARGETS['cold_s']:g} "

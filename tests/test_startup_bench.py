@@ -73,3 +73,14 @@ def test_load_time_script_times_serial_and_parallel(startup, shared, tmp_path, c
     assert [(r["threads"], r["reader"], r["cold"]) for r in lines] == [
         (1, "staged", True), (1, "mmap", True), (4, "staged", True), (4, "mmap", True)]
     assert all(r["seconds"] > 0 for r in lines)
+
+
+def test_autotuned_kernels_are_read_from_the_autotuners_debug_lines(startup, tmp_path):
+    log = tmp_path / "warm.log"
+    log.write_text("step 1 done\n"
+                   "V1207 triton_heuristics.py:1595] Best config for triton_red_fused_add_0: XBLOCK: 1, num_warps: 8\n"
+                   "other line: Best config\n"
+                   "Best config for triton_per_fused_mul_1: XBLOCK: 32\n")
+    assert startup.autotuned_kernels(log) == ["triton_red_fused_add_0", "triton_per_fused_mul_1"]
+    log.write_text("nothing autotuned\n")
+    assert startup.autotuned_kernels(log) == []
