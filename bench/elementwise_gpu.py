@@ -10,7 +10,8 @@ Pieces, each in the decoder's own code where it has one (gapless.model.decoder, 
 - rope: q and k rotated, [1, T, heads, head_dim] as the decoder holds them (Liger: LigerRopeFunction, which takes
   [1, heads, T, head_dim]: the transposed views it is given are what a model calling it would pass)
 - loss: the LM head and cross-entropy over the vocabulary without the [T, V] logits (gapless.kernels.loss's chunked
-  loss, compiled chunks; Liger: LigerFusedLinearCrossEntropyFunction); here the floor is the head's 3 GEMMs
+  loss, with the per-chunk step a compiled run uses, step "auto": the Triton kernel; Liger:
+  LigerFusedLinearCrossEntropyFunction); here the floor is the head's 3 GEMMs
 
 The floor of an elementwise piece is the bytes it must move (inputs read and outputs written once, forward and
 backward) over the copy bandwidth measured here (a device-to-device copy of 1 GiB); the loss's is its FLOPs over
@@ -131,7 +132,7 @@ def pieces(T: int, device, liger: bool):
     targets = torch.randint(0, V, (T,), device=device, generator=g)
 
     def loss_ours(hidden):
-        return linear_cross_entropy(hidden, head, targets, compiled=True)
+        return linear_cross_entropy(hidden, head, targets, step="auto")  # as compile_layers sets it
 
     x, r = rand(T, H), rand(T, H)
     gate, up = rand(T, I), rand(T, I)

@@ -11,7 +11,12 @@
 (b) Times each backend forward and forward+backward (median of triton.testing.do_bench) and prints TFLOP/s.
 (c) linear_cross_entropy against the float32 reference (N=16384 bf16 hidden, V=128256, D=3072, frozen and
     trainable LM head), timed against the materialised bf16-logits loss, with the peak memory of each.
-(d) The torch.compile'd per-chunk step (compiled=True), and whole-function torch.compile as a probe.
+(d) The per-chunk step through torch.compile (step="compiled") and as the Triton kernel (step="triton"), and
+    whole-function torch.compile as a probe.
+(e) The per-chunk step alone on one chunk of float32 logits [2048, V] with a bf16 gradient: torch.compile's against
+    the Triton kernel at several block sizes and warp counts, each with its effective bandwidth at the Triton
+    kernel's 10 bytes per logit (read twice, written once in bf16) and its error against _step_functional run
+    eagerly.
 
 A short table comes last; JSON lines go to $OUT/kernels.jsonl when OUT is set. One failing case prints its
 error and the script goes on.
@@ -336,8 +341,10 @@ def run_loss(args) -> None:
     compiled_whole = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=4096))
     variants = [
         ("fused eager", dict(chunk_size=2048)), ("fused eager", dict(chunk_size=4096)),
-        ("fused eager", dict(chunk_size=8192)), ("fused compiled-step", dict(chunk_size=4096, compiled=True)),
-        ("fused compiled-step", dict(chunk_size=8192, compiled=True)),
+        ("fused eager", dict(chunk_size=8192)), ("fused compiled-step", dict(chunk_size=2048, step="compiled")),
+        ("fused compiled-step", dict(chunk_size=4096, step="compiled")),
+        ("fused triton-step", dict(chunk_size=2048, step="triton")),
+        ("fused triton-step", dict(chunk_size=4096, step="triton")),
     ]
     for seed, train_weight in enumerate((False, True)):
         head = "trainable" if train_weight else "frozen"
@@ -394,6 +401,34 @@ def run_loss(args) -> None:
         torch.cuda.empty_cache()
 
 
+def run_loss_step() -> None:
+    from gapless.kernels import loss as loss_mod
+
+    c = 2048
+    print(f"\n== loss step alone: float32 logits [{c}, {VOCAB}] -> loss, bf16 gradient", flush=True)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    logits = torch.randn(c, VOCAB, device=DEVICE, generator=g) * 4
+    targets = torch.randint(0, VOCAB, (c,), device=DEVICE, generator=g)
+    targets[torch.rand(c, device=DEVICE, generator=g) < 0.3] = -100
+    ref_loss, ref_g = loss_mod._step_functional(logits, targets, -100, torch.bfloat16)
+    compiled = loss_mod._compiled_step()
+    variants = [("compiled", lambda: compiled(logits, targets, -100, torch.bfloat16))]
+    for block_v, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (32768, 32)):
+        variants.append((f"triton {block_v}/{warps}w", lambda b=block_v, w=warps: loss_mod._step_triton(
+            logits, targets, -100, torch.bfloat16, block_v=b, num_warps=w)))
+    for name, fn in variants:
+        row: dict = {"section": "loss-step", "variant": name, "rows": c}
+        try:
+            loss, grad = fn()
+            row["rel_loss"], row["rel_grad"] = rel(loss, ref_loss), rel(grad.float(), ref_g.float())
+            row["ms"] = bench_ms(fn, rep=200)
+            row["gb_s_at_10b"] = c * VOCAB * 10 / row["ms"] / 1e6
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = short_error(e)
+        record(**row)
+
+
 # --------------------------------------------------------------------------------------------- table
 
 
@@ -430,6 +465,12 @@ def print_table() -> None:
               f"{f(r.get('gemm_tflops'), '8.0f')} {f(r.get('peak_gib'), '9.2f')} {f(r.get('rel_loss'), '9.1e')} "
               f"{f(r.get('rel_grad_hidden'), '8.1e')} {f(r.get('rel_grad_weight'), '8.1e')} "
               f"{f(r.get('first_call_s'), '6.1f')}  {(r.get('error') or '')[:90]}")
+    print("\n== loss step alone (float32 logits [2048, V] -> bf16 gradient; GB/s at 10 bytes per logit)")
+    print(f"{'variant':24} {'ms':>7} {'GB/s':>7} {'rel loss':>9} {'rel grad':>9}  note")
+    for r in ROWS:
+        if r["section"] == "loss-step":
+            print(f"{r['variant']:24} {f(r.get('ms'), '7.3f')} {f(r.get('gb_s_at_10b'), '7.0f')} "
+                  f"{f(r.get('rel_loss'), '9.1e')} {f(r.get('rel_grad'), '9.1e')}  {(r.get('error') or '')[:90]}")
 
 
 def main() -> None:
@@ -466,6 +507,7 @@ def main() -> None:
         run_attention(args, pool)
     if args.only in (None, "loss"):
         run_loss(args)
+        run_loss_step()
     print_table()
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     out = os.environ.get("OUT")

@@ -208,7 +208,7 @@ def test_build_model_assembles_random_weights_ties_head_and_inits():
     lora_a = model.model.layers[0].self_attn.q_proj.lora_A.weight
     assert lora_a.abs().sum() > 0 and not model.model.layers[0].self_attn.q_proj.lora_B.weight.any()
     assert set(method.trainable(model)) == {n for n, _ in model.named_parameters() if ".lora_" in n}
-    assert model.loss_chunk_size == CONFIGS["best"].loss_chunk and not model.loss_compiled
+    assert model.loss_chunk_size == CONFIGS["best"].loss_chunk and model.loss_step == "eager"
     materialised, _ = build_model(args, CONFIGS["packed_sdpa"], torch.device("cpu"), torch.float32)
     assert materialised.loss_chunk_size is None
 
@@ -228,7 +228,7 @@ def test_compiled_layers_do_not_recompile_per_batch(tmp_path):
     model = tiny_lora_model()
     model.attn_fn = varlen_like
     model = compile_layers(model, backend="eager")
-    model.loss_compiled = False  # the layers' graphs alone (the loss's per-chunk step would add one of its own)
+    model.loss_step = "eager"  # the layers' graphs alone (the loss's compiled per-chunk step would add one of its own)
     rng = np.random.default_rng(1)
     # shorter documents, more of them: 2 rows of 64 slots hold a different number in each batch
     batches = [packed_batch(tmp_path, rng.integers(2, 64 - 10 * i, 40).tolist(), seed=i) for i in range(6)]
@@ -289,6 +289,7 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
     assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
     assert CONFIGS["default_grouped"] == replace(recipe, lora_kernel="grouped")
+    assert CONFIGS["default_loss_inductor"] == replace(recipe, loss="fused_inductor")
     args = model_args_from_config(TINY)
     assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"
     assert resolve_attn(CONFIGS["best"], args, torch.device("cpu"), torch.float32) == ("varlen", "")

@@ -117,7 +117,8 @@ def test_one_graph_per_distinct_layer_whatever_the_depth():
         torch._dynamo.reset()
         counters.clear()
         model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4)), backend="eager")
-        model.loss_compiled = False  # the loss's own compiled step is not a layer's
+        assert model.loss_step == "auto"  # the Triton kernel on CUDA, the compiled step here (gapless.kernels.loss)
+        model.loss_step = "eager"  # the loss's own compiled step is not a layer's
         ids, targets = torch.randint(0, 64, (2, 1, 10), generator=torch.Generator().manual_seed(0))
         model(ids, targets=targets).backward()
         train = counters["stats"]["unique_graphs"]
@@ -181,7 +182,7 @@ def test_a_compiled_llama_traces_its_one_layer_graph_once_with_floats_constant()
                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
     torch._dynamo.reset()
     model = compile_layers(apply_lora(CausalLM(args), LoraConfig(r=4)), backend=recording)
-    model.loss_compiled = False  # the loss's own compiled step is not a layer's
+    model.loss_step = "eager"  # the loss's own compiled step is not a layer's
     model.attn_fn = op_attention("ref_op", varlen_attention_op("test_reference", reference_forward, reference_backward))
     gen = torch.Generator().manual_seed(0)
     for lengths in ([7, 2, 11], [3, 14, 1, 2]):

@@ -10,9 +10,10 @@ import torch
 
 from gapless.kernels import attention as attention_mod
 from gapless.kernels.attention import FlexAttention, auto_backend, get_attention, op_attention, sdpa_reference
-from gapless.kernels.loss import linear_cross_entropy, reference_linear_cross_entropy
+from gapless.kernels.loss import TRITON, linear_cross_entropy, reference_linear_cross_entropy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and TRITON), reason="needs CUDA and triton")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,7 +172,7 @@ def test_softcapped_loss_matches_reference_fp32(chunk_size):
 @pytest.mark.slow  # torch.compile on the CPU
 def test_softcapped_loss_compiled_matches_reference_cpu():
     h, w, t = loss_problem()
-    got = loss_and_grads(linear_cross_entropy, h, w, t, chunk_size=8, softcap=1.5, compiled=True)
+    got = loss_and_grads(linear_cross_entropy, h, w, t, chunk_size=8, softcap=1.5, step="compiled")
     ref = loss_and_grads(reference_linear_cross_entropy, h, w, t, softcap=1.5)
     for a, b in zip(got, ref):
         assert_rel(a, b)
@@ -185,9 +186,9 @@ def test_softcap_must_be_positive():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("compiled", [False, True])
-def test_softcapped_loss_cuda_bf16(compiled):
+@pytest.mark.parametrize("step", ["eager", "compiled", pytest.param("triton", marks=cuda_triton)])
+def test_softcapped_loss_cuda_bf16(step):
     h, w, t = loss_problem(N=2085, D=512, V=50257, device="cuda", dtype=torch.bfloat16, seed=3)
-    got = loss_and_grads(linear_cross_entropy, h, w, t, chunk_size=1024, softcap=30.0, compiled=compiled)
+    got = loss_and_grads(linear_cross_entropy, h, w, t, chunk_size=1024, softcap=30.0, step=step)
     ref = loss_and_grads(reference_linear_cross_entropy, h, w, t, softcap=30.0)
     assert rel(got[0], ref[0]) < 1e-4 and rel(got[1], ref[1]) < 1e-2 and rel(got[2], ref[2]) < 1e-2

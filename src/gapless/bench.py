@@ -12,8 +12,10 @@ What one configuration measures
 - The step: the loop's step (gapless.train.step.train_step): the loss sum through the model's forward, backward
   of loss / trained tokens, gradient clipping (1.0) and fused AdamW over the LoRA weights. No learning-rate
   schedule (a host-side multiply). The loss is the chunked fused cross-entropy (gapless.kernels.loss) for
-  "fused", the same with its per-chunk step compiled for "fused_compiled", and a materialised [tokens, vocab]
-  logits tensor, as transformers computes it, for "materialised" (CausalLM.loss_chunk_size None).
+  "fused" (its per-chunk softmax/gradient step eager), the same with the step a compiled run uses for
+  "fused_compiled" (step "auto": the Triton kernel on CUDA, torch.compile elsewhere), with the step through
+  torch.compile for "fused_inductor", and a materialised [tokens, vocab] logits tensor, as transformers computes
+  it, for "materialised" (CausalLM.loss_chunk_size None).
 - The data: the real data path. Either the shared messages files tokenized by `data.build_data` with the Llama 3
   tokenizer (max_seq_len 4096, overlong truncated), or, where those are absent (the GPU machine), a token-length
   file (`--lengths`, e.g. peers/lengths_shared_mix.txt: the Llama 3 lengths of the same records): its lengths,
@@ -38,7 +40,8 @@ The ladder (`--ladder`, in this order; each rung is one named configuration):
                         H200 against 2.8 for varlen, bench/kernels_h200.jsonl), so packing is measured with varlen
   packed_fused          + the fused, chunked linear cross-entropy (no [tokens, vocab] logits)
   packed_fused_flex     + FlexAttention instead of varlen (2.48 vs 2.81 ms/layer, but ~200 s of first compile)
-  packed_fused_compile  + torch.compile of each decoder layer and of the loss's per-chunk step (varlen)
+  packed_fused_compile  + torch.compile of each decoder layer (varlen), and the loss's per-chunk step as a
+                        compiled run has it (the Triton kernel on CUDA)
   best                  + LoRA's A matmuls grouped for q/k/v and for gate/up (lora.kernel "grouped"; the
                         rungs above run PEFT's per-layer formula; the trainer's default, "concat", is in
                         `default`)
@@ -101,7 +104,10 @@ GRAD_CLIP = 1.0  # the loop's default (optim.grad_clip)
 class Recipe:
     batching: str  # data.batching: pad_to_max | padded | packed
     attn: str  # attention backend (gapless.kernels.attention)
-    loss: str  # materialised | fused | fused_compiled
+    # materialised | fused | fused_compiled | fused_inductor (the module docstring; LOSS_STEPS). Rows recorded
+    # before the Triton step existed (through run s15) ran torch.compile's step under fused_compiled: what
+    # fused_inductor runs now
+    loss: str
     checkpoint: bool = False  # activation checkpointing of every decoder layer
     compile: bool = False  # torch.compile of every decoder layer
     # lora.kernel (gapless.config.LoraKernel): the rungs before `best` run PEFT's per-layer formula, `best` adds the
@@ -155,12 +161,16 @@ CONFIGS = {
     "best_fa4_concat": Recipe("packed", "fa4_op", "fused_compiled", compile=True, lora_kernel="concat"),
     # exactly what a default config (gapless.config.RunConfig()) resolves to on this machine: packed rows, the
     # attention backend `attn_backend: auto` picks (fa4_op where flash-attn-4 imports, i.e. with gapless[gpu], varlen
-    # otherwise; the row says which), the fused loss compiled, compiled layers, LoRA inside the base GEMMs
-    # (lora.kernel concat). tests/test_bench.py holds this recipe to the config's defaults; default_dropout is the
-    # seed's recipe (lora.dropout 0.05) on it, which runs grouped (concat cannot share x with dropout(x))
+    # otherwise; the row says which), the fused loss with compile_layers' step (the Triton kernel on CUDA), compiled
+    # layers, LoRA inside the base GEMMs (lora.kernel concat). tests/test_bench.py holds this recipe to the config's
+    # defaults; default_dropout is the seed's recipe (lora.dropout 0.05) on it, which runs grouped (concat cannot
+    # share x with dropout(x))
     "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
     "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
                               lora_dropout=0.05),
+    # the A/B for the Triton loss step: default with the loss's per-chunk step through torch.compile (inductor's
+    # reduction and pointwise kernels), what fused_compiled ran before the Triton step
+    "default_loss_inductor": Recipe("packed", "auto", "fused_inductor", compile=True, lora_kernel="concat"),
     # the default before run s12-default (lora.kernel grouped; rows before it named `default` ran this): 33,142
     # against concat's 33,683 tok/s on an H100 in one call (then named default and default_concat)
     "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
@@ -177,6 +187,8 @@ CONFIGS = {
     "packed_sdpa_fused": Recipe("packed", "sdpa", "fused"),
 }
 LADDER = ("pad_to_max_ckpt", "dyn_pad", "packed", "packed_fused", "packed_fused_flex", "packed_fused_compile", "best")
+# the fused loss's per-chunk step (gapless.kernels.loss) of each recipe loss; "materialised" has no chunks
+LOSS_STEPS = {"fused": "eager", "fused_compiled": "auto", "fused_inductor": "compiled"}
 # Seconds a configuration's first steps may take beyond its timed steps, for --time-limit-s: flex's first call
 # compiled for 201 s on the H200 (bench/kernels_h200.jsonl); a compiled decoder layer, forward and backward,
 # is budgeted at 90 s.
@@ -203,7 +215,7 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     model = assemble(model, method, device, dtype, activation_checkpointing=int(recipe.checkpoint),
                      compile=recipe.compile, tensors=random_tensors(model, device, dtype, seed))
     model.loss_chunk_size = None if recipe.loss == "materialised" else recipe.loss_chunk
-    model.loss_compiled = recipe.loss == "fused_compiled"
+    model.loss_step = LOSS_STEPS.get(recipe.loss, "eager")
     return model, method
 
 

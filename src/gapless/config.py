@@ -554,8 +554,9 @@ class ModelConfig:
     # break in compiled layers, the fastest measured). A named backend that cannot run here is an error, never
     # swapped for another; the run prints what auto chose and config.yaml in the run folder records it.
     attn_backend: str = "auto"
-    # torch.compile each decoder layer and the loss's per-chunk step (the first step compiles); auto: on with CUDA,
-    # off on the CPU (inductor's CPU build of a layer takes longer than the short runs a CPU is for)
+    # torch.compile each decoder layer (the first step compiles) and run the loss's per-chunk step fast (a Triton
+    # kernel on CUDA, torch.compile elsewhere); auto: on with CUDA, off on the CPU (inductor's CPU build of a layer
+    # takes longer than the short runs a CPU is for)
     compile: bool | Literal["auto"] = "auto"
     # activation checkpointing of every N-th decoder layer, only when memory requires it; 0 = off
     activation_checkpointing: int = 0

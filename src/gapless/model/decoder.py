@@ -369,10 +369,11 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.attn_fn = get_attention(attn_backend)
         # the loss of forward(targets=...): tokens per chunk (its transient memory; None: the full logits
-        # materialised, as transformers does, kept to measure what that costs) and whether the per-chunk
-        # softmax step runs compiled (set by gapless.train.compile.compile_layers)
+        # materialised, as transformers does, kept to measure what that costs) and how the per-chunk softmax step
+        # runs, a gapless.kernels.loss step: "eager" here, "auto" from gapless.train.compile.compile_layers (the
+        # Triton kernel on CUDA)
         self.loss_chunk_size = DEFAULT_CHUNK_SIZE
-        self.loss_compiled = False
+        self.loss_step = "eager"
         # training: the first layer's input (the frozen embedding's output) made to need a gradient, as every later
         # layer's does, so compiled layers share one graph instead of two (set by compile_layers; hidden_states)
         self.layer_input_grad = False
@@ -437,7 +438,7 @@ class CausalLM(nn.Module):
             logits = softcap(self.lm_head(hidden), cap)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                    chunk_size=self.loss_chunk_size, compiled=self.loss_compiled, softcap=cap)
+                                    chunk_size=self.loss_chunk_size, step=self.loss_step, softcap=cap)
 
 
 def set_attention_backend(model: CausalLM, name: str) -> CausalLM:

@@ -1,4 +1,5 @@
-"""torch.compile as a model transform: each decoder layer compiled in place, and the loss's per-chunk step."""
+"""torch.compile as a model transform: each decoder layer compiled in place, and the loss's per-chunk step made
+fast (the Triton kernel on CUDA, torch.compile elsewhere)."""
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,9 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
         layer._compiled_call_impl = floats_specialized(layer._compiled_call_impl)
-    model.loss_compiled = True  # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss)
+    # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss): the Triton kernel on CUDA where triton
+    # imports, torch.compile of the step elsewhere
+    model.loss_step = "auto"
     model.layer_input_grad = True
     return model
 
