@@ -1,7 +1,7 @@
 """Why cold data takes 9.5-14 s on the GPU machines (issue 18, start-up): the tokenizing workers fork from a process
 with or without a CUDA context.
 
-    python bench/data_probe.py [--data DIR] [--tokenizer DIR] [--workers N]
+    python bench/data_probe.py [--data DIR] [--tokenizer DIR] [--workers N] [--modes plain,cuda] [--cprofile]
 
 On the 2-core CPU box a cProfile of build_data (shared messages, 2 workers, 9.1 s) put about 3 s in the parent and
 5.7 s waiting on the workers, so 16 cores should take about 4 s; the GPU machines' cold starts took 9.5-14 s
@@ -11,14 +11,20 @@ empty token cache:
   plain   build_data in a process that imported torch and nothing more;
   cuda    the same after a CUDA context and a 6 GiB tensor on the GPU (a 3B model's bf16 weights);
 and, in each, how long forking the worker pool alone takes (N trivial tasks through a fork ProcessPoolExecutor).
+--cprofile: build_data under cProfile, the parent's 25 functions of most time of their own printed after the line.
+Measured on an H100 machine (session 16): 16 workers 18.6 s (plain) and 17.0 s (cuda), the pool's fork 0.2 s;
+4 workers 21.6 s. So the CUDA context is not the cause, and 4x the workers saved 3-4 s: the parent's share is large.
 Prints one line per mode. DATA and the tokenizer default to ../shared (else .carry/) as bench/startup_gpu.py's do.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing
 import os
+import pstats
+import resource
 import subprocess
 import sys
 import tempfile
@@ -37,7 +43,7 @@ def _nothing(i: int) -> int:
     return i
 
 
-def child(mode: str, data: Path, tokenizer: Path, workers: int) -> dict:
+def child(mode: str, data: Path, tokenizer: Path, workers: int, profile: bool) -> dict:
     import torch
 
     from gapless.config import DataConfig, SourceConfig
@@ -54,10 +60,21 @@ def child(mode: str, data: Path, tokenizer: Path, workers: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         cfg = DataConfig(sources=[SourceConfig(path=str(data))], cache_dir=cache, max_seq_len=4096,
                          tokens_per_batch=16384)
+        profiler = cProfile.Profile() if profile else None
+        own0, workers0 = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
         mix, _, summary = build_data(cfg, tokenizer, num_workers=workers)
         data_s = time.perf_counter() - t0
+        own1, workers1 = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return {"mode": mode, "workers": workers, "fork_pool_s": round(fork_s, 3), "build_data_s": round(data_s, 3),
+            # CPU seconds (user + system) of this process and of its ended workers during build_data
+            "parent_cpu_s": round(own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime, 2),
+            "workers_cpu_s": round(workers1.ru_utime + workers1.ru_stime - workers0.ru_utime - workers0.ru_stime, 2),
             "documents": len(mix)}
 
 
@@ -69,22 +86,25 @@ def main() -> int:
                                                                ROOT / ".carry" / "tokenizers" / "llama3"))
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--modes", default="plain,cuda")
+    p.add_argument("--cprofile", action="store_true", help="the parent's own time by function, under cProfile")
     p.add_argument("--child", help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.child:
-        print(json.dumps(child(opts.child, opts.data, opts.tokenizer, opts.workers)))
+        print(json.dumps(child(opts.child, opts.data, opts.tokenizer, opts.workers, opts.cprofile)))
         return 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for mode in opts.modes.split(","):
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, __file__, "--child", mode, "--data", str(opts.data), "--tokenizer",
-                              str(opts.tokenizer), "--workers", str(opts.workers)], env=env, capture_output=True,
-                             text=True)
+                              str(opts.tokenizer), "--workers", str(opts.workers), *(["--cprofile"] * opts.cprofile)],
+                             env=env, capture_output=True, text=True)
         lines = out.stdout.strip().splitlines()
         if out.returncode or not lines:
             print(f"[data_probe] {mode}: failed ({out.returncode}): {out.stderr.strip()[-600:]}", flush=True)
             continue
         print(f"[data_probe] {lines[-1]} process {time.perf_counter() - t0:.1f} s", flush=True)
+        if opts.cprofile:
+            print(out.stderr[out.stderr.find("   Ordered by"):], flush=True)
     return 0
 
 
