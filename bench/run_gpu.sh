@@ -34,6 +34,8 @@
 #                                  installed (a `default` call before)
 #   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat_b,default_dropout,
 #                                  default_dropout_concat_b) side by side on Llama-3.2-3B
+#   bash bench/run_gpu.sh stash    only stash the carried wheels (.whl/fa4a) for the next call; an unknown mode is an
+#                                  error (session 16 mistyped one and the old fallback ran the whole ladder)
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
@@ -50,6 +52,14 @@
 # && bash bench/run_gpu.sh startup`
 set -uo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-all}
+MODES="stash all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
+# an unknown mode is an error before anything runs: session 16 typed one, and the old fallback ran the whole ladder
+# (450 s of a 1,800 s device budget)
+if [[ " $MODES " != *" $MODE "* ]]; then
+  echo "[run_gpu] unknown mode '$MODE'; one of: $MODES" >&2
+  exit 2
+fi
 if [[ -f .carry/carry.tar.xz ]]; then tar -xJf .carry/carry.tar.xz -C .carry; fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PEERS=packed_sdpa
@@ -78,10 +88,12 @@ if compgen -G ".whl/bnb/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/bnb/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" && QPEERS=qlora_packed_ckpt
 fi
+# stash: the carried wheels stashed (and installed once every part is there), nothing run: the first of two calls
+# whose second carries the rest (.whl/fa4a, then .whl/fa4b with any mode)
+if [[ $MODE == stash ]]; then ls /root/stash 2>/dev/null; exit 0; fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gapless-bench-out}
 mkdir -p "$OUT"
-MODE=${1:-all}
 RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)-h200}
 LENGTHS=.carry/lengths_shared_mix.txt
 BUDGET=${BUDGET_S:-530}  # seconds, under the 600 s of one call
@@ -196,7 +208,7 @@ elif [[ $MODE == methods2 ]]; then
   bench 300 --model bench/models/llama-3.1-8b --config qlora_best,qlora_ckpt --tokens-per-batch 8192
   bench 120 --model bench/models/gemma-3-4b --config best
   bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs $PEERS
-else
+else  # all
   # reserves: 1B best ~70 s, 8B best ~120 s, HF+PEFT packed ~60 s (and Liger ~60 s)
   bench 310 --model $M3 --config pad_to_max_ckpt,dyn_pad,packed,packed_fused,packed_fused_compile,best
   # flash-attn-4 where it is importable (its wheels on PYTHONPATH, shared/peers/README.md): the fastest measured
