@@ -49,9 +49,9 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                FSDP2 (each rank holds shards, not the whole projections).
 #   "concat_b"   the B matrices inside the base GEMM instead, along its input: x A^T as one rank-R GEMM, then
 #                [x, x A^T] [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's
-#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Built, not
-#                measured yet (bench config default_concat_b against default, issue 18); the same sums. Dropout
-#                runs here (only the rank-R GEMM reads dropout(x), one mask per group as grouped draws it); QLoRA
+#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Slower than
+#                concat on an H100: 34,494 against 34,787 real tok/s in one process (run s16-ab, -0.84%; its
+#                forward 2 ms shorter, its backward 7 ms longer); the same sums. Dropout runs here (only the rank-R GEMM reads dropout(x), one mask per group as grouped draws it); QLoRA
 #                and FSDP2 run grouped.
 LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
 CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
