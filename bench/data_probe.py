@@ -89,6 +89,9 @@ def main() -> int:
     p.add_argument("--cprofile", action="store_true", help="the parent's own time by function, under cProfile")
     p.add_argument("--child", help=argparse.SUPPRESS)
     opts = p.parse_args()
+    for what, folder in (("--data", opts.data), ("--tokenizer", opts.tokenizer)):
+        if not folder.is_dir():  # on the GPU machine: `tar -xJf .carry/carry.tar.xz -C .carry` first (run_gpu.sh does)
+            p.error(f"{what} {folder} is not a folder (carried as .carry/carry.tar.xz? unpack it into .carry/ first)")
     if opts.child:
         print(json.dumps(child(opts.child, opts.data, opts.tokenizer, opts.workers, opts.cprofile)))
         return 0
