@@ -70,9 +70,10 @@ def test_kernel_gradients_against_the_formula():
 
 
 def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
-    """Each weight is a strided view of its group's [W | s B] buffer (storage grows by the B blocks only); writing
-    a weight writes the buffer; after an optimizer step the buffer's B columns are scaling * the master B and a
-    second step's loss and gradients equal the reference's."""
+    """Each weight of a group is a strided view of its group's [W | s B] buffer, and o_proj's and down_proj's rows of
+    concat's [W; A] (storage grows by the B blocks and those A rows only); writing a weight writes the buffer; after
+    an optimizer step the buffer's B columns are scaling * the master B and a second step's loss and gradients
+    equal the reference's."""
     _, folder = hf_checkpoint("llama", attention_bias=True)
     models = {k: lora_model(folder, k) for k in ("concat_b", "reference")}
     ours = models["concat_b"]
@@ -85,9 +86,14 @@ def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*model.parameters(), *model.buffers()]}.values())
 
+    mlp = ours.model.layers[1].mlp
+    assert mlp.down_proj.lora_concat.shape == (64 + 4, 96) and mlp.down_proj.weight.stride() == (96, 1)
+    assert attn.o_proj.lora_concat.shape == (64 + 4, 64)  # a layer alone: concat's [W; A] (model.lora._b_inside)
     buffers = {m.lora_concat.data_ptr(): m for m in ours.modules() if isinstance(m, LoraLinear)}
-    b_columns = sum(m.lora_concat.shape[0] * (m.lora_concat.shape[1] - m.in_features) * 4 for m in buffers.values())
-    assert len(buffers) == 4 * 2 and storage_bytes(ours) == storage_bytes(models["reference"]) + b_columns
+    added = sum((b.shape[1] - m.in_features) * b.shape[0] * 4 if b.shape[1] > m.in_features  # s B columns
+                else (b.shape[0] - m.out_features) * m.in_features * 4  # A rows
+                for m in buffers.values() for b in [m.lora_concat])
+    assert len(buffers) == 4 * 2 and storage_bytes(ours) == storage_bytes(models["reference"]) + added
     grads = {}
     for kernel, model in models.items():
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -114,8 +120,10 @@ def test_dropout_runs_in_concat_b_with_grouped_masks(hf_checkpoint):
 
     _, folder = hf_checkpoint("llama", attention_bias=True)
     ours, grouped = lora_model(folder, "concat_b", dropout=0.1), lora_model(folder, "grouped", dropout=0.1)
-    assert all(m.kernel == "concat_b" and m.lora_concat is not None
-               for m in ours.modules() if isinstance(m, LoraLinear))
+    layers = {name.rsplit(".", 1)[-1]: m for name, m in ours.named_modules() if isinstance(m, LoraLinear)}
+    assert all(m.kernel == "concat_b" for m in layers.values())
+    # the groups keep their buffers; o_proj and down_proj, which would run concat's A rows, run the formula
+    assert all((m.lora_concat is not None) == (name not in ("o_proj", "down_proj")) for name, m in layers.items())
     results = []
     for model in (ours, grouped):
         torch.manual_seed(5)

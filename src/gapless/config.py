@@ -47,12 +47,16 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 #                s15-default, +4.3%). Where it cannot apply it runs "grouped", the same sums: dropout > 0 (the
 #                A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to) and
 #                FSDP2 (each rank holds shards, not the whole projections).
-#   "concat_b"   the B matrices inside the base GEMM instead, along its input: x A^T as one rank-R GEMM, then
-#                [x, x A^T] [[W_1, s_1 B_1, 0 ..], [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's
-#                whole output (no rank-r B GEMM writes an [N, out] product, no consumer reads one). Slower than
-#                concat on an H100: 34,494 against 34,787 real tok/s in one process (run s16-ab, -0.84%; its
-#                forward 2 ms shorter, its backward 7 ms longer); the same sums. Dropout runs here (only the rank-R GEMM reads dropout(x), one mask per group as grouped draws it); QLoRA
-#                and FSDP2 run grouped.
+#   "concat_b"   for the layers that read the same input (q/k/v, gate/up), the B matrices inside the base GEMM
+#                instead, along its input: x A^T as one rank-R GEMM, then [x, x A^T] [[W_1, s_1 B_1, 0 ..],
+#                [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's whole output (no rank-r B GEMM
+#                writes an [N, out] product, no consumer reads one); o_proj and down_proj run concat. With the B
+#                matrices inside every layer it ran 0.84% slower than concat on an H100 (34,494 against 34,787
+#                real tok/s in one process, run s16-ab: forward 2 ms shorter, backward 7 ms longer; the layers
+#                alone would account for it by an estimate of their bytes, not a profile: model.lora._b_inside);
+#                this form is not measured yet. The same sums. Dropout runs here for the groups (only the rank-R
+#                GEMM reads dropout(x), one mask per group as grouped draws it), the layers alone running the
+#                formula under it; QLoRA and FSDP2 run grouped.
 LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
 CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
 

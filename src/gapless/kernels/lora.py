@@ -3,7 +3,8 @@ lora_linear_reference, the plain formula, one layer at a time; lora_linear_group
 layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul; and lora_linear_concat (the
 default), the frozen projections and the A matrices of those layers as one GEMM over a buffer
 [W_1; ..; W_k; A_1; ..; A_k], so each activation is read once; and lora_linear_concat_b, the B matrices inside
-the base GEMM instead, along its input (0.84% slower than concat on an H100, run s16-ab).
+the base GEMM instead, along its input (gapless.model.lora gives it the groups of layers that read one input;
+on every layer it ran 0.84% slower than concat on an H100, run s16-ab).
 
     y = x W^T + b + scaling * (dropout(x) A^T) B^T        x [N, in], W [out, in], A [r, in], B [out, r]
 
