@@ -192,3 +192,40 @@ def test_a_compiled_llama_traces_its_one_layer_graph_once_with_floats_constant()
     assert frames_not_compiled() == 0
     assert calls == [[]], calls  # one graph for every layer, traced once
     torch._dynamo.reset()
+
+
+def test_graphs_with_our_autograd_functions_hit_aotautograds_cache(monkeypatch, tmp_path):
+    """A compiled graph holding a custom autograd.Function (lora.kernel concat's) bypasses AOTAutograd's cache
+    unless compile_settings is around the call: a warm start then traces the joint graph again. With it, the
+    second compile of the same graph is a hit."""
+    from torch._dynamo.utils import counters
+
+    from gapless.train.compile import cache_counts, compile_settings
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def compile_twice(wrap) -> list[dict]:
+        runs = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            f = wrap(torch.compile(lambda x: Double.apply(x.sin()).sum()))
+            f(torch.randn(8, requires_grad=True)).backward()
+            runs.append(cache_counts())
+        return runs
+
+    plain = compile_twice(lambda f: f)
+    assert plain[1].get("autograd_cache_bypass", 0) > 0 and "autograd_cache_hit" not in plain[1]
+    cold, warm = compile_twice(compile_settings)
+    assert "autograd_cache_bypass" not in cold and cold.get("autograd_cache_miss", 0) > 0
+    assert warm.get("autograd_cache_hit", 0) > 0 and "autograd_cache_bypass" not in warm
+    torch._dynamo.reset()

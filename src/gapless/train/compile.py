@@ -42,7 +42,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     use_compile_cache()
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
-        layer._compiled_call_impl = floats_specialized(layer._compiled_call_impl)
+        layer._compiled_call_impl = compile_settings(layer._compiled_call_impl)
     # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss): the Triton kernel on CUDA where triton
     # imports, torch.compile of the step elsewhere
     model.loss_step = "auto"
@@ -50,29 +50,46 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     return model
 
 
-def floats_specialized(compiled: Callable) -> Callable:
-    """`compiled` with dynamo's specialize_float on while it runs, so it traces the layers' Python floats (RMSNorm's
-    eps, LoRA's scaling, the attention scale) as constants.
+def compile_settings(compiled: Callable) -> Callable:
+    """`compiled` with two of torch.compile's settings on while it runs, set and restored around each call (8 us on
+    the 2-core CPU, once per layer per forward) rather than for the process: torch reads them only when it compiles
+    a frame, which happens inside the call.
 
-    With dynamic=True dynamo (torch >= 2.6, specialize_float False) makes every float a graph input, a float64
-    scalar tensor; the attention scale, an argument of the varlen custom op, cannot stay one, so dynamo restarts the
-    first layer's analysis with it specialized: a second trace and an AOTAutograd cache miss (that first attempt's
-    key is never saved) on every start, cold or warm. Measured on the CPU (bench/RESULTS.md, eighth round): the
-    first step's compile 9.5 -> 5.0 s warm, 55.6 -> 41.5 s cold. The floats are the same in every layer, so
-    specialising them adds no graph. Set and restored around each call (8 us on the 2-core CPU, once per layer per
-    forward) rather than for the process: dynamo reads it only when it compiles a frame, inside the call."""
-    config = torch._dynamo.config
-    if not hasattr(config, "specialize_float"):  # a torch without the option specialises floats anyway
+    dynamo's specialize_float: it traces the layers' Python floats (RMSNorm's eps, LoRA's scaling, the attention
+    scale) as constants. With dynamic=True dynamo (torch >= 2.6, specialize_float False) makes every float a graph
+    input, a float64 scalar tensor; the attention scale, an argument of the varlen custom op, cannot stay one, so
+    dynamo restarts the first layer's analysis with it specialized: a second trace and an AOTAutograd cache miss
+    (that first attempt's key is never saved) on every start, cold or warm. Measured on the CPU (bench/RESULTS.md,
+    eighth round): the first step's compile 9.5 -> 5.0 s warm, 55.6 -> 41.5 s cold. The floats are the same in
+    every layer, so specialising them adds no graph.
+
+    AOTAutograd's autograd_cache_allow_custom_autograd_functions: without it a graph holding a custom
+    autograd.Function (lora.kernel concat's and concat_b's, gapless.kernels.lora) bypasses AOTAutograd's cache, so
+    every warm start traced the joint graph again (the H100's warm start: create_aot_dispatcher_function 4.8 s,
+    compile caches {'autograd_cache_bypass': 1}, bench/RESULTS.md thirteenth round). torch leaves it off for
+    Functions in general; the cache key is dynamo's graph, which holds these Functions' forward and backward as
+    traced subgraphs, so a change to either changes the key. Measured on the 2-core CPU (`bench/startup_gpu.py
+    --tiny --compile`, one run each): warm start 30.7 -> 28.3 s, its caches 4 hits and 3 bypasses -> 7 hits."""
+    import torch._dynamo.config
+    import torch._functorch.config
+
+    settings = [(config, name) for config, name in ((torch._dynamo.config, "specialize_float"),
+                                                     (torch._functorch.config,
+                                                      "autograd_cache_allow_custom_autograd_functions"))
+                if hasattr(config, name)]  # a torch without one of them does without it
+    if not settings:
         return compiled
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
-        before = config.specialize_float
-        config.specialize_float = True
+        before = [getattr(config, name) for config, name in settings]
+        for config, name in settings:
+            setattr(config, name, True)
         try:
             return compiled(*args, **kwargs)
         finally:
-            config.specialize_float = before
+            for (config, name), value in zip(settings, before):
+                setattr(config, name, value)
 
     return call
 
