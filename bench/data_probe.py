@@ -71,7 +71,10 @@ def child(mode: str, data: Path, tokenizer: Path, workers: int, profile: bool) -
         if profiler:
             profiler.disable()
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    return {"mode": mode, "workers": workers, "fork_pool_s": round(fork_s, 3), "build_data_s": round(data_s, 3),
+    from gapless.data.tokenize import available_cpus, cgroup_cpu_quota
+
+    return {"mode": mode, "workers": workers, "affinity": len(os.sched_getaffinity(0)),
+            "cgroup_cpu_quota": cgroup_cpu_quota(), "available_cpus": available_cpus(), "fork_pool_s": round(fork_s, 3), "build_data_s": round(data_s, 3),
             # CPU seconds (user + system) of this process and of its ended workers during build_data
             "parent_cpu_s": round(own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime, 2),
             "workers_cpu_s": round(workers1.ru_utime + workers1.ru_stime - workers0.ru_utime - workers0.ru_stime, 2),
@@ -84,7 +87,8 @@ def main() -> int:
                                                           ROOT / ".carry" / "messages"))
     p.add_argument("--tokenizer", type=Path, default=first_dir(ROOT.parent / "shared" / "tokenizers" / "llama3",
                                                                ROOT / ".carry" / "tokenizers" / "llama3"))
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="tokenizer processes (default: the affinity mask's CPUs, not capped by a cgroup quota)")
     p.add_argument("--modes", default="plain,cuda")
     p.add_argument("--cprofile", action="store_true", help="the parent's own time by function, under cProfile")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -335,3 +335,27 @@ def test_drop_system_message_changes_the_tokens_and_the_cache_key(demo_tokenizer
     for drop in (False, True):  # each setting finds its own tokenization again
         summary = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "drop_system_message": drop}]))[2]
         assert summary.sources[0].cache == "hit", drop
+
+
+def test_available_cpus_keeps_to_a_containers_cgroup_quota(tmp_path):
+    """The default count of tokenizer workers: the affinity mask capped by the cgroup's CPU quota, rounded up (v2's
+    cpu.max, v1's cfs quota over period); unlimited or unreadable quotas leave the affinity."""
+    from gapless.data.tokenize import available_cpus, cgroup_cpu_quota
+
+    affinity = len(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(v2) is None and available_cpus(v2) == affinity
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a CPU: one worker
+    assert cgroup_cpu_quota(v2) == 0.5 and available_cpus(v2) == 1
+    (v2 / "cpu.max").write_text(f"{100000 * (affinity + 3)} 100000\n")  # more than the affinity allows
+    assert available_cpus(v2) == affinity
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(v1) is None and available_cpus(v1) == affinity
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")  # 1.5 CPUs: 2 workers where 2 cores are there
+    assert cgroup_cpu_quota(v1) == 1.5 and available_cpus(v1) == min(affinity, 2)
+    assert cgroup_cpu_quota(tmp_path / "none") is None  # no cgroup files at all

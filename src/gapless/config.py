@@ -519,7 +519,9 @@ class DataConfig:
     tokens_per_batch: int | Literal["auto"] = 16384
     pad_to_multiple_of: int = 8  # padded rows' length is rounded up to this (tensor-core friendly shapes)
     cache_dir: str = "~/.cache/gapless/data"  # tokenized data, keyed by the files and settings that made it
-    num_workers: int | None = None  # tokenizer processes; None = the CPU count, 0 = in this process
+    # tokenizer processes; None = the CPUs this process can use (its affinity, capped by a container's cgroup CPU
+    # quota), 0 = in this process
+    num_workers: int | None = None
     seed: int = 0  # the shuffle, the eval_fraction split and the epochs/weight sampling
 
     def validate(self, where: str = "data") -> None:

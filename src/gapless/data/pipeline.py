@@ -20,7 +20,8 @@ from gapless.data.batching import BatchSampler, Mixture
 from gapless.data.cache import CacheWriter, FileHashes, TokenizedDataset, cache_key, clean_stale, lookup
 from gapless.data.formats import DEFAULT_ROLES, read_source, resolve_files
 from gapless.data.summary import MARK_CLOSE, MARK_OPEN, DataSummary, format_example, length_histogram
-from gapless.data.tokenize import TOKENIZER_FILES, Tokenizing, chunked, load_tokenizer, read_chat_template
+from gapless.data.tokenize import (TOKENIZER_FILES, Tokenizing, available_cpus, chunked, load_tokenizer,
+                                   read_chat_template)
 
 
 def tokenizer_fingerprint(folder: Path, hashes: FileHashes) -> dict:
@@ -144,7 +145,7 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
     settings = dict(max_seq_len=cfg.max_seq_len, train_on=cfg.train_on, overlong=cfg.overlong)
     workers = num_workers if num_workers is not None else cfg.num_workers
     if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = available_cpus()
     tokenizing = Tokenizing(folder, read_chat_template(cfg.chat_template), settings, workers)
     try:
         train = [load_source(s, cfg, tokenizing, tok_fp, hashes, root, vocab_size) for s in cfg.sources]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -460,6 +461,42 @@ class Encoder:
 
 # ---------------------------------------------------------------------------------------------
 # worker processes
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_cpus(cgroup: Path = CGROUP) -> int:
+    """The CPUs this process can keep busy, the default count of tokenizer workers: its affinity mask, capped by
+    its cgroup's CPU quota rounded up. A container's CPU limit (Kubernetes' resources.limits.cpu, docker --cpus) is
+    such a quota, and neither os.cpu_count() nor the affinity sees it: 16 workers under a 4-CPU quota share 4 CPUs'
+    time and each runs a quarter of the time."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def cgroup_cpu_quota(cgroup: Path = CGROUP) -> float | None:
+    """CPUs' worth of time per period this process's cgroup allows (quota / period), or None where there is no
+    limit or none can be read. cgroup v2: cpu.max ("max 100000" unlimited, "400000 100000" 4 CPUs) of the group
+    /proc/self/cgroup names ("0::/PATH"), else of the mount's root (a container's own group); v1:
+    cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us (quota -1 unlimited)."""
+    try:
+        groups = [line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                  if line.startswith("0::")]
+    except OSError:
+        groups = []
+    for folder in [cgroup / g.lstrip("/") for g in groups] + [cgroup]:
+        try:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
+    try:
+        quota = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 _WORKER_ENCODER: Encoder | None = None  # set once per worker process by _init_worker
 

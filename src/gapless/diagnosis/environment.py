@@ -147,7 +147,10 @@ def gapless_source() -> dict:
 
 
 def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPUs this process can keep busy (affinity, capped by a cgroup quota: gapless.data.tokenize)."""
+    from gapless.data.tokenize import available_cpus
+
+    return available_cpus()
 
 
 def environment_record(probe_kernels: bool = True) -> dict:
