@@ -124,6 +124,13 @@ def test_workers_within_the_cores_is_clean(demo):
     assert severities(d.check_workers(gpu_env(), cfg_of(demo, "data.num_workers=8")))["env.workers"] == "ok"
 
 
+def test_workers_name_a_containers_cpu_quota():
+    """A cgroup CPU quota (a container's limit) that caps the cores is said beside the count; none, nothing."""
+    capped = d.check_workers(gpu_env(**{"cpu_count": 4, "cpu_quota": 3.5}))
+    assert "cgroup CPU quota of 3.5" in capped[0].detail and "4 CPU cores" in capped[0].detail
+    assert "quota" not in d.check_workers(gpu_env(**{"cpu_quota": None}))[0].detail
+
+
 def test_tf32_off_matters_only_for_a_float32_model(demo):
     off = gpu_env(**{"torch_flags.tf32_matmul": False, "torch_flags.float32_matmul_precision": "highest"})
     f32 = cfg_of(demo, "model.device=auto")

@@ -257,7 +257,9 @@ def check_workers(env: dict, cfg: RunConfig | None = None) -> list[Finding]:
                   "oversubscribed: tokenizing (a cold cache) runs slower than with one process per core",
                   f"data.num_workers: {cpus}")
     used = cpus if workers is None else workers
-    return _f("env.workers", "ok", f"{cpus} CPU cores, {used} tokenizer workers")
+    quota = env.get("cpu_quota")
+    capped = f" (a cgroup CPU quota of {quota:g} caps them)" if quota is not None and quota <= cpus else ""
+    return _f("env.workers", "ok", f"{cpus} CPU cores{capped}, {used} tokenizer workers")
 
 
 def measure_write_speed(folder: Path, nbytes: int = WRITE_PROBE_BYTES) -> float:

@@ -153,11 +153,18 @@ def cpu_count() -> int:
     return available_cpus()
 
 
+def cpu_quota() -> float | None:
+    """The cgroup's CPU quota in CPUs (a container's CPU limit), None where there is none."""
+    from gapless.data.tokenize import cgroup_cpu_quota
+
+    return cgroup_cpu_quota()
+
+
 def environment_record(probe_kernels: bool = True) -> dict:
     """Everything about this machine and install that changes what a run computes or how fast it runs.
     probe_kernels=False: the fast kernels are looked up, not imported (see kernel_imports)."""
     return {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
-            "cpu_count": cpu_count(), "packages": package_versions(), "kernels": kernel_imports(probe_kernels),
+            "cpu_count": cpu_count(), "cpu_quota": cpu_quota(), "packages": package_versions(), "kernels": kernel_imports(probe_kernels),
             "gpu": gpu_record(), "torch_flags": torch_flags(), "env": env_vars(), "gapless": gapless_source()}
 
 
