@@ -34,6 +34,8 @@
 #                                  installed (a `default` call before)
 #   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat_b,default_dropout,
 #                                  default_dropout_concat_b) side by side on Llama-3.2-3B
+#   bash bench/run_gpu.sh probes   the start-up probes: bench/data_probe.py --cprofile, bench/fa4_cache_probe.py (where
+#                                  flash-attn-4 is installed), the start-up with TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0
 #   bash bench/run_gpu.sh stash    only stash the carried wheels (.whl/fa4a) for the next call; an unknown mode is an
 #                                  error (session 16 mistyped one and the old fallback ran the whole ladder)
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
@@ -53,7 +55,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-MODES="stash all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
+MODES="stash probes all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
 # an unknown mode is an error before anything runs: session 16 typed one, and the old fallback ran the whole ladder
 # (450 s of a 1,800 s device budget)
 if [[ " $MODES " != *" $MODE "* ]]; then
@@ -148,6 +150,21 @@ elif [[ $MODE == profile ]]; then
     timeout -k 10 "$(left 0)" "$PY" bench/profile_step.py --model "${PROFILE_MODEL:-$M3}" --config "$c" \
       --lengths "$LENGTHS" --json "$OUT/profile-$c.json" 2>&1 | tee "$OUT/profile-$c.txt"
   done
+elif [[ $MODE == probes ]]; then
+  # session 16's open start-up questions, in one call (carry .carry/carry.tar.xz; flash-attn-4 installed by an
+  # earlier call for the second): where the cold data's seconds go (the parent's and the workers' CPU seconds, the
+  # parent's cProfile, the cgroup quota), whether flash-attn-4's kernels load from its disk cache in a second
+  # process, and the start-up with inductor's dynamic RBLOCK scaling off (its two reductions were benchmarked again in
+  # every warm start: bench/RESULTS.md, thirteenth round)
+  at_least() { local s; s=$(left "$1"); echo $(( s > 20 ? s : 20 )); }  # `timeout 0` would mean no limit at all
+  timeout -k 10 "$(at_least 330)" "$PY" bench/data_probe.py --cprofile --modes plain,cuda 2>&1 \
+    | tee "$OUT/data_probe.log"
+  if "$PY" -c "import flash_attn.cute" 2>/dev/null; then
+    timeout -k 10 "$(at_least 280)" "$PY" bench/fa4_cache_probe.py 2>&1 | tee "$OUT/fa4_cache_probe.log"
+  fi
+  # the weights of an earlier `startup` call on this machine are reused (its caches are emptied first: cold)
+  TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0 timeout -k 10 "$(at_least 0)" "$PY" bench/startup_gpu.py \
+    --work /tmp/gapless-startup --run-id "$RUN_ID-norblock" 2>&1 | tee "$OUT/startup-norblock.log"
 elif [[ $MODE == ab ]]; then
   # two (or more) configurations side by side on Llama-3.2-3B in one process (AB_CONFIGS), on a machine where an
   # earlier call stashed .whl/fa4a when this one carries .whl/fa4b (so `auto` runs fa4_op as `default` does)
