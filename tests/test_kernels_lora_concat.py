@@ -51,35 +51,28 @@ def logits_loss_grads(model, seed=0):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["k_proj", "v_proj"]])
-def test_concat_agrees_with_reference_on_a_tiny_model(hf_checkpoint, monkeypatch, targets):
-    """Logits and every A and B gradient equal the per-layer formula's, with biases on every projection; the
-    groups are q/k/v, o, gate/up, down on every layer (one GEMM each), or q/v (k/v) alone."""
-    _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
-    concat, reference = lora_model(folder, "concat", targets), lora_model(folder, "reference", targets)
-    sizes = []
-    real = gapless.model.lora.lora_linear_concat
-    monkeypatch.setattr(gapless.model.lora, "lora_linear_concat",
-                        lambda x, buf, biases, *args: sizes.append(len(biases)) or real(x, buf, biases, *args))
-    logits, grads = logits_loss_grads(concat)
+def assert_agrees_with_reference(ours, reference, n_grads: int) -> None:
+    """One step of `ours` against the per-layer formula's model: the same logits and every A and B gradient
+    (n_grads of them); the frozen weights get no gradient, and the state dict is the reference's, key for key and
+    value for value."""
+    logits, grads = logits_loss_grads(ours)
     ref_logits, ref_grads = logits_loss_grads(reference)
-    layers = len(concat.model.layers)
-    assert sizes == ([3, 1, 2, 1] if targets is None else [2]) * layers
     assert_close(logits, ref_logits, **TOL)
-    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(targets or ALL_LINEAR) * layers
+    assert grads.keys() == ref_grads.keys() and len(grads) == n_grads
     for name in grads:
         assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
-    # the frozen weights get no gradient, and the state dict is the reference's, key for key and value for value
-    assert all(p.grad is None for p in concat.parameters() if not p.requires_grad)
-    ours, theirs = concat.state_dict(), reference.state_dict()
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+    mine, theirs = ours.state_dict(), reference.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
 
 
-def test_kernel_gradients_against_the_formula():
-    """lora_linear_concat alone, 3 layers (out 6, 4, 4; r 2, 3, 2) over [2, 5, 8] with one output unused: y, dx,
-    dA and dB against the reference by autograd; no gradient for the concatenated frozen buffer."""
+def assert_kernel_matches_formula(kernel, buffer_of) -> None:
+    """A concat kernel alone, 3 layers (out 6, 4, 4; r 2, 3, 2; one bias None) over [2, 5, 8] with the third output
+    unused: y, dx, dA and dB against the reference by autograd. `kernel(x, buffer, biases, As, Bs, scalings)`,
+    `buffer_of(Ws, As, Bs, scalings)` its frozen buffer, which gets no gradient; the unused layer's B gets none
+    either, and its A zeros at most (the group's one dA GEMM)."""
     g = torch.Generator().manual_seed(0)
     outs, ranks, scalings = (6, 4, 4), (2, 3, 2), (2.0, 0.5, 1.0)
     x = torch.randn(2, 5, 8, generator=g)
@@ -97,8 +90,8 @@ def test_kernel_gradients_against_the_formula():
         torch.autograd.backward(ys[:2], dys[:2])  # the third output unused: its gradient is None
         return [*ys, xx.grad, *(a.grad for a in aa), *(b.grad for b in bb)]
 
-    buffer = torch.cat(ws + a_s)
-    got = run(lambda xx, aa, bb: lora_linear_concat(xx, buffer, bs, aa, bb, scalings))
+    buffer = buffer_of(ws, a_s, b_s, scalings)
+    got = run(lambda xx, aa, bb: kernel(xx, buffer, bs, aa, bb, scalings))
     want = run(lambda xx, aa, bb: [lora_linear_reference(xx, *args) for args in zip(ws, bs, aa, bb, scalings)])
     for i, (g_, w_) in enumerate(zip(got, want)):
         if w_ is None:  # the unused layer's A and B: the group's one dA GEMM gives its A zeros
@@ -108,16 +101,39 @@ def test_kernel_gradients_against_the_formula():
     assert got[-1] is None and buffer.grad is None  # B of the unused layer, and the frozen buffer
 
 
+def storage_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["k_proj", "v_proj"]])
+def test_concat_agrees_with_reference_on_a_tiny_model(hf_checkpoint, monkeypatch, targets):
+    """Logits and every A and B gradient equal the per-layer formula's, with biases on every projection; the
+    groups are q/k/v, o, gate/up, down on every layer (one GEMM each), or q/v (k/v) alone."""
+    _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
+    concat, reference = lora_model(folder, "concat", targets), lora_model(folder, "reference", targets)
+    sizes = []
+    real = gapless.model.lora.lora_linear_concat
+    monkeypatch.setattr(gapless.model.lora, "lora_linear_concat",
+                        lambda x, buf, biases, *args: sizes.append(len(biases)) or real(x, buf, biases, *args))
+    layers = len(concat.model.layers)
+    assert_agrees_with_reference(concat, reference, 2 * len(targets or ALL_LINEAR) * layers)
+    assert sizes == ([3, 1, 2, 1] if targets is None else [2]) * layers
+
+
+def test_kernel_gradients_against_the_formula():
+    """lora_linear_concat alone against the reference by autograd (assert_kernel_matches_formula), its buffer
+    [W_1; W_2; W_3; A_1; A_2; A_3]."""
+    assert_kernel_matches_formula(lora_linear_concat, lambda ws, a_s, b_s, scalings: torch.cat(ws + a_s))
+
+
 def test_base_weights_live_once_in_the_buffer(hf_checkpoint):
     """Each layer's weight is a view into its group's buffer [W_1; ..; W_k; A_1; ..; A_k]: the model's storage grows by
     the A rows only, and writing a weight (as load_state_dict does) writes the buffer the GEMM reads."""
     _, folder = hf_checkpoint("llama")
     concat, reference = lora_model(folder, "concat"), lora_model(folder, "reference")
-
-    def storage_bytes(model):
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in [*model.parameters(), *model.buffers()]}
-        return sum(storages.values())
 
     attn = concat.model.layers[0].self_attn
     buffer = attn.q_proj.lora_concat

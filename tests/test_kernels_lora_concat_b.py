@@ -7,10 +7,11 @@ from torch.testing import assert_close
 
 import gapless
 from gapless.config import ALL_LINEAR, LoraConfig
-from gapless.kernels.lora import lora_linear_concat_b, lora_linear_reference
+from gapless.kernels.lora import lora_linear_concat_b
 from gapless.model.lora import LoraLinear, apply_lora
 from gapless.train.compile import compile_layers, frames_not_compiled
-from test_kernels_lora_concat import TOL, logits_loss_grads, lora_model
+from test_kernels_lora_concat import (TOL, assert_agrees_with_reference, assert_kernel_matches_formula,
+                                      logits_loss_grads, lora_model, storage_bytes)
 
 
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["down_proj"]])
@@ -20,53 +21,23 @@ def test_concat_b_agrees_with_reference_on_a_tiny_model(hf_checkpoint, targets):
     _, folder = hf_checkpoint("llama", attention_bias=True, mlp_bias=True)
     ours, reference = lora_model(folder, "concat_b", targets), lora_model(folder, "reference", targets)
     assert all(m.lora_concat is not None for m in ours.modules() if isinstance(m, LoraLinear))
-    logits, grads = logits_loss_grads(ours)
-    ref_logits, ref_grads = logits_loss_grads(reference)
-    assert_close(logits, ref_logits, **TOL)
-    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(targets or ALL_LINEAR) * 2
-    for name in grads:
-        assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
-    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
-    mine, theirs = ours.state_dict(), reference.state_dict()
-    assert mine.keys() == theirs.keys()
-    for key in mine:
-        assert torch.equal(mine[key], theirs[key]), key
+    assert_agrees_with_reference(ours, reference, 2 * len(targets or ALL_LINEAR) * 2)
 
 
 def test_kernel_gradients_against_the_formula():
-    """lora_linear_concat_b alone, 3 layers (out 6, 4, 4; r 2, 3, 2) over [2, 5, 8], one output unused: y, dx, dA
-    and dB against the reference by autograd; the unused layer's B gets no gradient, the buffer none."""
-    g = torch.Generator().manual_seed(0)
-    outs, ranks, scalings = (6, 4, 4), (2, 3, 2), (2.0, 0.5, 1.0)
-    x = torch.randn(2, 5, 8, generator=g)
-    ws = [torch.randn(o, 8, generator=g) for o in outs]
-    bs = [torch.randn(6, generator=g), None, torch.randn(4, generator=g)]
-    a_s = [torch.randn(r, 8, generator=g) for r in ranks]
-    b_s = [torch.randn(o, r, generator=g) for o, r in zip(outs, ranks)]
-    dys = [torch.randn(2, 5, o, generator=g) for o in outs]
-    buffer = torch.zeros(sum(outs), 8 + sum(ranks))
-    row, col = 0, 8
-    for w, b, s in zip(ws, b_s, scalings):
-        buffer[row:row + w.shape[0], :8] = w
-        buffer[row:row + w.shape[0], col:col + b.shape[1]] = b * s
-        row, col = row + w.shape[0], col + b.shape[1]
+    """lora_linear_concat_b alone against the reference by autograd (assert_kernel_matches_formula), its buffer
+    [[W_1, s_1 B_1, 0, 0], [W_2, 0, s_2 B_2, 0], [W_3, 0, 0, s_3 B_3]]."""
 
-    def run(fn):
-        xx = x.clone().requires_grad_()
-        aa = [a.clone().requires_grad_() for a in a_s]
-        bb = [b.clone().requires_grad_() for b in b_s]
-        ys = fn(xx, aa, bb)
-        torch.autograd.backward(ys[:2], dys[:2])
-        return [*ys, xx.grad, *(a.grad for a in aa), *(b.grad for b in bb)]
+    def buffer_of(ws, a_s, b_s, scalings):
+        buffer = torch.zeros(sum(w.shape[0] for w in ws), ws[0].shape[1] + sum(b.shape[1] for b in b_s))
+        row, col = 0, ws[0].shape[1]
+        for w, b, s in zip(ws, b_s, scalings):
+            buffer[row:row + w.shape[0], :w.shape[1]] = w
+            buffer[row:row + w.shape[0], col:col + b.shape[1]] = b * s
+            row, col = row + w.shape[0], col + b.shape[1]
+        return buffer
 
-    got = run(lambda xx, aa, bb: lora_linear_concat_b(xx, buffer, bs, aa, bb, scalings))
-    want = run(lambda xx, aa, bb: [lora_linear_reference(xx, *args) for args in zip(ws, bs, aa, bb, scalings)])
-    for i, (g_, w_) in enumerate(zip(got, want)):
-        if w_ is None:  # the unused layer's A: the group's one A GEMM gives it zeros
-            assert g_ is None or not g_.any(), i
-        else:
-            assert_close(g_, w_, **TOL, msg=lambda m: f"output {i}: {m}")
-    assert got[-1] is None and buffer.grad is None
+    assert_kernel_matches_formula(lora_linear_concat_b, buffer_of)
 
 
 def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
@@ -81,10 +52,6 @@ def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
     buffer = attn.q_proj.lora_concat
     assert buffer is attn.k_proj.lora_concat is attn.v_proj.lora_concat and buffer.shape == (64 + 32 + 32, 64 + 12)
     assert attn.k_proj.weight.stride() == (76, 1)
-
-    def storage_bytes(model):
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in [*model.parameters(), *model.buffers()]}.values())
 
     mlp = ours.model.layers[1].mlp
     assert mlp.down_proj.lora_concat.shape == (64 + 4, 96) and mlp.down_proj.weight.stride() == (96, 1)

@@ -81,7 +81,7 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.lora_concat is not None:  # o_proj, down_proj: [W; A] (or [W, sB]) as one GEMM
+        if self.lora_concat is not None:  # o_proj, down_proj: [W; A] as one GEMM (concat_b too: _b_inside)
             return _concat_forward(x, [self])[0]
         return lora_linear_reference(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      dropout=self.lora_dropout)
