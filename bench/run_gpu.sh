@@ -25,15 +25,15 @@
 #                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
 #                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
 #   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/fa4b: flash-attn-4 installed, so `auto`
-#                                  runs fa4_op): `default` (LoRA inside the base GEMMs), `default_grouped` and
+#                                  runs fa4_op): `default` (LoRA inside the base GEMMs), `default_concat` and
 #                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
 #                                  Llama-3.1-8B (TOKENS_8B: 16,384
 #                                  over 100 GiB, else 8,192) and Llama-3.2-1B
-#   bash bench/run_gpu.sh profile  where a `default` and a `default_grouped` step go (bench/profile_step.py; PROFILE_CONFIGS
+#   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
 #                                  picks others, PROFILE_MODEL another model), on a machine where flash-attn-4 is
 #                                  installed (a `default` call before)
-#   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat_b,default_dropout,
-#                                  default_dropout_concat_b) side by side on Llama-3.2-3B
+#   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat,default_dropout,
+#                                  default_dropout_grouped) side by side on Llama-3.2-3B
 #   bash bench/run_gpu.sh probes   the start-up probes: bench/data_probe.py --cprofile, bench/fa4_cache_probe.py (where
 #                                  flash-attn-4 is installed), the start-up with TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0
 #   bash bench/run_gpu.sh stash    only stash the carried wheels (.whl/fa4a) for the next call; an unknown mode is an
@@ -144,8 +144,8 @@ elif [[ $MODE == startup ]]; then
   } 2>&1 | tee "$OUT/load_time.log"
   timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
 elif [[ $MODE == profile ]]; then
-  # where one step of `default` (and `default_grouped`) goes, by kernel kind and aten op (bench/profile_step.py)
-  PROFILE_CONFIGS=${PROFILE_CONFIGS:-default,default_grouped}
+  # where one step of `default` (and `default_concat`) goes, by kernel kind and aten op (bench/profile_step.py)
+  PROFILE_CONFIGS=${PROFILE_CONFIGS:-default,default_concat}
   for c in ${PROFILE_CONFIGS//,/ }; do
     timeout -k 10 "$(left 0)" "$PY" bench/profile_step.py --model "${PROFILE_MODEL:-$M3}" --config "$c" \
       --lengths "$LENGTHS" --json "$OUT/profile-$c.json" 2>&1 | tee "$OUT/profile-$c.txt"
@@ -168,7 +168,7 @@ elif [[ $MODE == probes ]]; then
 elif [[ $MODE == ab ]]; then
   # two (or more) configurations side by side on Llama-3.2-3B in one process (AB_CONFIGS), on a machine where an
   # earlier call stashed .whl/fa4a when this one carries .whl/fa4b (so `auto` runs fa4_op as `default` does)
-  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_concat_b,default_dropout,default_dropout_concat_b}"
+  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_concat,default_dropout,default_dropout_grouped}"
 elif [[ $MODE == peer ]]; then
   bench 0 --model $M3 --peers --peers-dir bench/peers --peers-configs "${PEERS#packed_sdpa,}" \
     --tokens-per-batch "${PEER_TOKENS:-$BIG_TOKENS}"
@@ -176,7 +176,7 @@ elif [[ $MODE == default ]]; then
   # issue fast2's targets: `default`, what a default config resolves to here (fa4_op where flash-attn-4 was carried,
   # the row's attn says), beside LoRA inside the base GEMMs and LoRA dropout 0.05, on Llama-3.2-3B; then Llama-3.1-8B
   # and Llama-3.2-1B. Reserves: 8B ~130 s, 1B ~70 s (the H100's calls: a 3B config ~75 s after the first's compile)
-  bench 200 --model $M3 --config "${DEFAULT_CONFIGS:-default,default_grouped,default_dropout}"
+  bench 200 --model $M3 --config "${DEFAULT_CONFIGS:-default,default_concat,default_dropout}"
   bench 75 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-$BIG_TOKENS}"
   bench 0 --model bench/models/llama-3.2-1b --config default
 elif [[ $MODE == methods ]]; then

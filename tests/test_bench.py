@@ -289,6 +289,8 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
     assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
     assert CONFIGS["default_grouped"] == replace(recipe, lora_kernel="grouped")
+    assert CONFIGS["default_concat"] == replace(recipe, lora_kernel="concat")
+    assert CONFIGS["default_dropout_grouped"] == replace(recipe, lora_kernel="grouped", lora_dropout=0.05)
     assert CONFIGS["default_loss_inductor"] == replace(recipe, loss="fused_inductor")
     args = model_args_from_config(TINY)
     assert resolve_attn(recipe, args, torch.device("cpu"), torch.float32)[0] == "sdpa"

@@ -229,3 +229,26 @@ def test_graphs_with_our_autograd_functions_hit_aotautograds_cache(monkeypatch, 
     assert "autograd_cache_bypass" not in cold and cold.get("autograd_cache_miss", 0) > 0
     assert warm.get("autograd_cache_hit", 0) > 0 and "autograd_cache_bypass" not in warm
     torch._dynamo.reset()
+
+
+def test_a_run_without_compile_keeps_the_triton_loss_step_on_cuda_only(monkeypatch):
+    """model.compile false: the loss's Triton step (it needs no torch.compile) on CUDA where triton imports, the
+    eager step elsewhere, never torch.compile's; assemble puts on the model what uncompiled_loss_step says for its
+    device."""
+    import gapless.train.compile as compile_mod
+    from gapless.config import LoraConfig
+    from gapless.model.decoder import CausalLM, ModelArgs
+    from gapless.model.method import Lora
+
+    for triton, device, step in ((True, "cuda", "triton"), (False, "cuda", "eager"), (True, "cpu", "eager")):
+        monkeypatch.setattr(compile_mod, "TRITON", triton)
+        assert compile_mod.uncompiled_loss_step(torch.device(device)) == step
+    asked = []
+    monkeypatch.setattr(assemble, "uncompiled_loss_step", lambda device: asked.append(device) or "triton")
+    args = ModelArgs(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with torch.device("meta"):
+        model = CausalLM(args)
+    tensors = assemble.random_tensors(model, torch.device("cpu"), torch.float32)
+    model = assemble.assemble(model, Lora(LoraConfig(r=2)), torch.device("cpu"), torch.float32, tensors=tensors)
+    assert model.loss_step == "triton" and asked == [torch.device("cpu")]

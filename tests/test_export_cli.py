@@ -63,9 +63,9 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 def test_train_writes_the_run_folder_with_overrides(setup, run):
     cfg = load_config(run / "config.yaml")
     assert cfg.lora.r == 8 and cfg.output_dir == str(run)  # the overrides, resolved into the run's config
-    # ... and "auto" resolved to what ran (the CPU: sdpa, no compile; LoRA dropout runs the grouped kernel)
+    # ... and "auto" resolved to what ran (the CPU: sdpa, no compile; LoRA dropout keeps the default concat_b)
     assert cfg == load_config(setup["config"], [f"output_dir={run}", "lora.r=8", "model.attn_backend=sdpa",
-                                                "model.compile=false", "lora.kernel=grouped"])
+                                                "model.compile=false"])
     records = training_records(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())

@@ -78,7 +78,10 @@ def test_matmul_flops_match_torch_flop_counter(method):
     model = CausalLM(args)
     r = 4
     if method == "lora":
-        model = apply_lora(model, LoraConfig(r=r))
+        # concat, whose GEMMs do exactly the formula's work; the default concat_b also multiplies the zero blocks
+        # of its block-diagonal B columns (R * sum(out) where the formula has sum(r_i * out_i)), work MFU does not
+        # count as the model's
+        model = apply_lora(model, LoraConfig(r=r, kernel="concat"))
     ids = torch.randint(0, args.vocab_size, (2, 6))  # two rows, one 6-token document each, no padding
     counted = _count_matmul_flops(model, ids)
     nominal = step_flops(args, [6, 6], method=method, lora_r=r) - attention_flops(args, [6, 6])

@@ -190,17 +190,19 @@ def test_adapter_round_trip_and_merge(hf_checkpoint, tmp_path, kernel):
         assert_close(merged(ids), want, **TOL)
 
 
-def test_dropout_falls_back_to_grouped(hf_checkpoint):
-    """concat, the default, runs grouped under dropout (the same sums), without a warning: the seed's recipe
-    (dropout 0.05) would otherwise warn on every run."""
+def test_dropout_runs_concat_b(hf_checkpoint):
+    """concat runs concat_b under dropout (the same sums; its A rows cannot read dropout(x) beside the base rows'
+    x), without a warning: the seed's recipe (dropout 0.05) would otherwise warn on every run. The groups keep
+    concat_b's buffers; o_proj and down_proj run the formula."""
     import warnings
 
     _, folder = hf_checkpoint("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = apply_lora(gapless.load_model(folder), LoraConfig(r=4, dropout=0.1, kernel="concat"))
-    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
-    assert all(m.kernel == "grouped" and m.lora_concat is None for m in layers)
+    layers = {name.rsplit(".", 1)[-1]: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+    assert all(m.kernel == "concat_b" for m in layers.values())
+    assert all((m.lora_concat is None) == (name in ("o_proj", "down_proj")) for name, m in layers.items())
 
 
 def test_assemble_builds_the_buffers_after_loading(hf_checkpoint):
@@ -225,7 +227,7 @@ def test_assemble_builds_the_buffers_after_loading(hf_checkpoint):
 def test_concat_layers_share_one_compiled_graph(dropout):
     """compile_layers over 4 decoder layers with the concat kernel: no more graphs than the reference kernel (one
     per layer signature), nothing left eager, and the compiled gradients equal the eager ones; under dropout too
-    (concat then runs grouped; inductor draws the masks with torch's generator, fallback_random)."""
+    (concat then runs concat_b; inductor draws the masks with torch's generator, fallback_random)."""
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
@@ -243,9 +245,9 @@ def test_concat_layers_share_one_compiled_graph(dropout):
             for m in model.modules():
                 if isinstance(m, LoraLinear):
                     m.lora_B.weight.normal_(0, 0.1)
-        concat = kernel == "concat" and not dropout
-        assert (model.model.layers[0].mlp.gate_proj.lora_concat is not None) == concat
-        assert (model.model.layers[0].mlp.down_proj.lora_concat is not None) == concat
+        # under dropout the group keeps concat_b's buffer, and down_proj, alone, runs the formula
+        assert (model.model.layers[0].mlp.gate_proj.lora_concat is not None) == (kernel == "concat")
+        assert (model.model.layers[0].mlp.down_proj.lora_concat is not None) == (kernel == "concat" and not dropout)
         if compiled:
             model = compile_layers(model)
         torch.manual_seed(1)

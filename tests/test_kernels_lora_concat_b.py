@@ -81,7 +81,7 @@ def test_buffers_hold_the_weights_once_and_follow_the_optimizer(hf_checkpoint):
 def test_dropout_runs_in_concat_b_with_grouped_masks(hf_checkpoint):
     """Under dropout concat_b keeps its buffers (only its rank-R GEMM reads dropout(x)) and draws one mask per group,
     as grouped does: under the same seed the logits and every A and B gradient equal grouped's (torch's dropout on
-    the CPU); the run resolves to concat_b, where concat resolves to grouped."""
+    the CPU); the run resolves to concat_b, and so does concat's."""
     from gapless.config import RunConfig, from_dict
     from gapless.train.loop import resolve_lora_kernel
 
@@ -100,10 +100,10 @@ def test_dropout_runs_in_concat_b_with_grouped_masks(hf_checkpoint):
         assert_close(grad, results[1][1][name], **TOL, msg=lambda m: f"{name}: {m}")
     torch.manual_seed(6)  # another mask: other logits (the masks are drawn, not skipped)
     assert not torch.allclose(logits_loss_grads(ours)[0], results[0][0])
-    for kernel, runs in (("concat_b", "concat_b"), ("concat", "grouped")):
+    for kernel in ("concat_b", "concat"):
         cfg = from_dict(RunConfig, {"model": {"path": str(folder)}, "data": {"sources": [{"path": "d.jsonl"}]},
                                     "lora": {"r": 4, "kernel": kernel, "dropout": 0.05}})
-        assert resolve_lora_kernel(cfg, "single")[0].lora.kernel == runs
+        assert resolve_lora_kernel(cfg, "single")[0].lora.kernel == "concat_b"
 
 
 def test_compiled_layers_share_one_graph_and_match_eager():

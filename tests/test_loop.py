@@ -372,21 +372,29 @@ def test_activation_checkpointing_changes_memory_not_losses(base, uninterrupted)
         assert result.losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
 
 
-def test_concat_kernel_resolves_to_grouped_where_it_cannot_run():
-    """lora.kernel concat (the default) is recorded and announced as grouped where it cannot run: LoRA dropout,
-    QLoRA, FSDP2; elsewhere, and for grouped, reference and full fine-tuning, the config is unchanged."""
+def test_concat_kernels_resolve_where_they_cannot_run():
+    """lora.kernel concat_b (the default) and concat are recorded and announced as grouped where they cannot run
+    (QLoRA, FSDP2), and concat as concat_b under LoRA dropout; elsewhere, and for concat_b under dropout, grouped,
+    reference and full fine-tuning, the config is unchanged."""
     from gapless.config import DataConfig, LoraConfig, ModelConfig
     from gapless.train.loop import resolve_lora_kernel
 
     base = RunConfig(model=ModelConfig(path="m"), data=DataConfig(sources=[]))
-    assert base.lora.kernel == "concat"
-    for cfg, strategy, why in ((replace(base, lora=LoraConfig(dropout=0.05)), "none", "lora.dropout 0.05"),
-                               (replace(base, method="qlora"), "none", "method qlora"),
-                               (base, "fsdp", "FSDP2")):
-        resolved, note = resolve_lora_kernel(cfg, strategy)
-        assert resolved.lora.kernel == "grouped" and note.startswith("lora.kernel: grouped, not concat") and why in note
-        assert replace(resolved, lora=replace(resolved.lora, kernel="concat")) == cfg  # nothing else changed
+    assert base.lora.kernel == "concat_b"
+    for kernel in ("concat_b", "concat"):
+        kernel_base = replace(base, lora=LoraConfig(kernel=kernel))
+        for cfg, strategy, why in ((replace(kernel_base, method="qlora"), "none", "method qlora"),
+                                   (kernel_base, "fsdp", "FSDP2")):
+            resolved, note = resolve_lora_kernel(cfg, strategy)
+            assert resolved.lora.kernel == "grouped" and note.startswith(f"lora.kernel: grouped, not {kernel}")
+            assert why in note
+            assert replace(resolved, lora=replace(resolved.lora, kernel=kernel)) == cfg  # nothing else changed
+    cfg = replace(base, lora=LoraConfig(dropout=0.05, kernel="concat"))
+    resolved, note = resolve_lora_kernel(cfg, "none")
+    assert resolved.lora.kernel == "concat_b" and note.startswith("lora.kernel: concat_b, not concat")
+    assert "lora.dropout 0.05" in note and replace(resolved, lora=replace(resolved.lora, kernel="concat")) == cfg
     for cfg, strategy in ((base, "none"), (base, "ddp"), (replace(base, method="full"), "fsdp"),
+                          (replace(base, lora=LoraConfig(dropout=0.05)), "ddp"),
                           (replace(base, lora=LoraConfig(dropout=0.05, kernel="reference")), "none")):
         assert resolve_lora_kernel(cfg, strategy) == (cfg, None)
 

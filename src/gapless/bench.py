@@ -43,7 +43,7 @@ The ladder (`--ladder`, in this order; each rung is one named configuration):
   packed_fused_compile  + torch.compile of each decoder layer (varlen), and the loss's per-chunk step as a
                         compiled run has it (the Triton kernel on CUDA)
   best                  + LoRA's A matmuls grouped for q/k/v and for gate/up (lora.kernel "grouped"; the
-                        rungs above run PEFT's per-layer formula; the trainer's default, "concat", is in
+                        rungs above run PEFT's per-layer formula; the trainer's default, "concat_b", is in
                         `default`)
 Not in the ladder, as it needs flash-attn-4: best_fa4, best with fa4_op attention, the fastest measured.
 Anywhere, the CPU included: packed_sdpa and packed_sdpa_fused (packed with the sdpa reference attention).
@@ -162,25 +162,25 @@ CONFIGS = {
     # exactly what a default config (gapless.config.RunConfig()) resolves to on this machine: packed rows, the
     # attention backend `attn_backend: auto` picks (fa4_op where flash-attn-4 imports, i.e. with gapless[gpu], varlen
     # otherwise; the row says which), the fused loss with compile_layers' step (the Triton kernel on CUDA), compiled
-    # layers, LoRA inside the base GEMMs (lora.kernel concat). tests/test_bench.py holds this recipe to the config's
-    # defaults; default_dropout is the seed's recipe (lora.dropout 0.05) on it, which runs grouped (concat cannot
-    # share x with dropout(x))
-    "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
-    "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
+    # layers, LoRA inside the base GEMMs (lora.kernel concat_b). tests/test_bench.py holds this recipe to the config's
+    # defaults; default_dropout is the seed's recipe (lora.dropout 0.05) on it
+    "default": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b"),
+    "default_dropout": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
                               lora_dropout=0.05),
     # the A/B for the Triton loss step: default with the loss's per-chunk step through torch.compile (inductor's
     # reduction and pointwise kernels), what fused_compiled ran before the Triton step
-    "default_loss_inductor": Recipe("packed", "auto", "fused_inductor", compile=True, lora_kernel="concat"),
+    "default_loss_inductor": Recipe("packed", "auto", "fused_inductor", compile=True, lora_kernel="concat_b"),
     # the default before run s12-default (lora.kernel grouped; rows before it named `default` ran this): 33,142
     # against concat's 33,683 tok/s on an H100 in one call (then named default and default_concat)
     "default_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped"),
-    # the B matrices inside the base GEMM instead of the A rows (lora.kernel concat_b), measured against default
-    "default_concat_b": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b"),
-    # ... and under the seed's dropout 0.05, which concat_b runs itself (against default_dropout, which runs grouped)
-    "default_dropout_concat_b": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
-                                       lora_dropout=0.05),
+    # the default from run s12-default to s17 (lora.kernel concat: the A rows inside the base GEMM; rows named
+    # `default` in those runs ran this, and `default_concat_b` ran what `default` is now), and under dropout 0.05,
+    # which concat ran as grouped until s17 and runs as concat_b since
+    "default_concat": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
+    "default_dropout_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
+                                      lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
-    "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat",
+    "default_dropout_torch": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
                                     lora_dropout=0.05, fused_dropout=False),
     # anywhere, the CPU included: the sdpa reference attention (a per-document loop on packed rows)
     "packed_sdpa": Recipe("packed", "sdpa", "materialised"),

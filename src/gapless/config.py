@@ -38,25 +38,25 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # ("fused", the update inside the base GEMMs as one autograd.Function, measured slower, 518.7 ms against 501.2,
 # and was removed.)
 #   "concat"     the frozen projections and the A matrices of the layers that read the same input as ONE GEMM over
-#                [W_1; ..; W_k; A_1; ..; A_k] (forward; dx likewise), so each activation is read once: the default.
+#                [W_1; ..; W_k; A_1; ..; A_k] (forward; dx likewise), so each activation is read once (the default from
+#                run s12-default to s17).
 #                33,683 against grouped's 33,142 real tok/s with flash-attn-4 on an H100, in one call (run
 #                s12-default; 33,619 against 33,122 in s11's two calls); with varlen 498.8 against 506.6 ms of
 #                kernels a step (run s12-prof). On an H200 (more bandwidth) the two are equal: 34,943 against
 #                35,002 in one call (run s14-default). With its B matmuls moved inside its autograd.Function (so
 #                backward writes each output gradient once): 34,734 against grouped's 33,306 on an H100 (run
-#                s15-default, +4.3%). Where it cannot apply it runs "grouped", the same sums: dropout > 0 (the
-#                A rows would read dropout(x), the base rows x), QLoRA (an NF4 base has no rows to append to) and
-#                FSDP2 (each rank holds shards, not the whole projections).
-#   "concat_b"   for the layers that read the same input (q/k/v, gate/up), the B matrices inside the base GEMM
-#                instead, along its input: x A^T as one rank-R GEMM, then [x, x A^T] [[W_1, s_1 B_1, 0 ..],
+#                s15-default, +4.3%). Where it cannot apply it runs another form with the same sums: under
+#                dropout concat_b (the A rows would read dropout(x), the base rows x), under QLoRA (an NF4 base has
+#                no rows to append to) and FSDP2 (each rank holds shards, not the whole projections) grouped.
+#   "concat_b"   the default: for the layers that read the same input (q/k/v, gate/up), the B matrices inside the
+#                base GEMM instead, along its input: x A^T as one rank-R GEMM, then [x, x A^T] [[W_1, s_1 B_1, 0 ..],
 #                [W_2, 0, s_2 B_2 ..] ..]^T as ONE GEMM whose output is each layer's whole output (no rank-r B GEMM
-#                writes an [N, out] product, no consumer reads one); o_proj and down_proj run concat. With the B
-#                matrices inside every layer it ran 0.84% slower than concat on an H100 (34,494 against 34,787
-#                real tok/s in one process, run s16-ab: forward 2 ms shorter, backward 7 ms longer; the layers
-#                alone would account for it by an estimate of their bytes, not a profile: model.lora._b_inside);
-#                this form is not measured yet. The same sums. Dropout runs here for the groups (only the rank-R
-#                GEMM reads dropout(x), one mask per group as grouped draws it), the layers alone running the
-#                formula under it; QLoRA and FSDP2 run grouped.
+#                writes an [N, out] product, no consumer reads one); o_proj and down_proj run concat. 35,172
+#                against concat's 34,753 real tok/s on an H100 in one process (run s17-ab, +1.2%: forward 221 against
+#                232 ms). It keeps dropout (only its rank-R GEMM reads dropout(x), one mask per group as grouped draws
+#                it; the layers alone run the formula under it): 33,774 against grouped's 32,665 at dropout 0.05 in
+#                one call (run s17, +3.4%). With the B matrices inside every layer too it ran 0.84% slower than
+#                concat (run s16-ab: model.lora._b_inside says why). The same sums; QLoRA and FSDP2 run grouped.
 LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
 CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
 
@@ -73,7 +73,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # projections that get an adapter
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
     use_rslora: bool = False
-    kernel: LoraKernel = "concat"  # how a LoRA layer runs: concat, concat_b, grouped or reference (LoraKernel)
+    kernel: LoraKernel = "concat_b"  # how a LoRA layer runs: concat_b, concat, grouped or reference (LoraKernel)
 
     def validate(self, where: str = "lora") -> None:
         if self.r <= 0:

@@ -43,11 +43,20 @@ from torch import Tensor, nn
 # torch.library.triton_op arrived in torch 2.6; pyproject allows torch >= 2.5
 FUSED_DROPOUT = importlib.util.find_spec("triton") is not None and hasattr(torch.library, "triton_op")
 SEED_HIGH = 2 ** 62  # seeds are drawn in [0, SEED_HIGH): any int64 Philox accepts, far from birthday collisions
-# rows of x per block: 64 keeps 256 programs busy at 16,384 tokens (132 SMs on the H100/H200)
-BLOCK_M = 64
-BLOCK_K = 64
-# the backward's grid: ceil(in / BLOCK_K) column blocks x enough splits of N for about this many programs (~4 per SM
-# on 132 SMs); each split writes an [R, in] float32 partial of dA, ~0.6 MB per split for R = 48, in = 3072
+# Blocks and warps of each kernel, set apart because the keep mask depends only on (seed, row, column), not on the
+# blocking: forward and backward may tile differently (bench/dropout_gpu.py times the choices and rewrites these).
+# forward: rows of x per program; 64 keeps 256 programs busy at 16,384 tokens (132 SMs on the H100/H200), each
+# walking `in` in BLOCK_K columns (a multiple of 8: one Philox draw covers 8 columns), Triton's default 4 warps
+FWD_BLOCK_M = 64
+FWD_BLOCK_K = 64
+FWD_WARPS = 4
+# backward: each program owns BWD_BLOCK_K columns (its [R, BLOCK_K] slice of dA in registers) over a split of N,
+# BWD_BLOCK_M rows at a time; the same 64 x 64 as the forward and 4 warps until measured otherwise
+BWD_BLOCK_M = 64
+BWD_BLOCK_K = 64
+BWD_WARPS = 4
+# the backward's grid: ceil(in / BWD_BLOCK_K) column blocks x enough splits of N for about this many programs (~4
+# per SM on 132 SMs); each split writes an [R, in] float32 partial of dA, ~0.6 MB per split for R = 48, in = 3072
 BACKWARD_PROGRAMS = 512
 
 
@@ -90,10 +99,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _backward_splits(n: int, k: int) -> tuple[int, int]:
-    """(splits of N, rows per split, a multiple of BLOCK_M) for about BACKWARD_PROGRAMS programs. The count depends
-    on `in` alone, so a symbolic N (torch.compile's dynamic shapes) adds no guard; a split past N writes zeros."""
-    splits = max(1, BACKWARD_PROGRAMS // _cdiv(k, BLOCK_K))
-    return splits, _cdiv(_cdiv(n, BLOCK_M), splits) * BLOCK_M
+    """(splits of N, rows per split, a multiple of BWD_BLOCK_M) for about BACKWARD_PROGRAMS programs. The count
+    depends on `in` alone, so a symbolic N (torch.compile's dynamic shapes) adds no guard; a split past N writes
+    zeros."""
+    splits = max(1, BACKWARD_PROGRAMS // _cdiv(k, BWD_BLOCK_K))
+    return splits, _cdiv(_cdiv(n, BWD_BLOCK_M), splits) * BWD_BLOCK_M
 
 
 def _block_r(r: int) -> int:
@@ -112,9 +122,10 @@ if FUSED_DROPOUT:
         a = a.contiguous()
         (n, k), r = x.shape, a.shape[0]
         out = x.new_empty(n, r)
-        wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, BLOCK_M),)](
-            x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-            BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS)
+        wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M),)](
+            x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M, BLOCK_K=FWD_BLOCK_K,
+            BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
+            num_warps=FWD_WARPS)
         return out
 
     @triton_op("gapless::lora_dropout_xa_backward", mutates_args=())
@@ -127,10 +138,10 @@ if FUSED_DROPOUT:
         splits, rows_per_split = _backward_splits(n, k)
         dx = torch.empty_like(x) if need_dx else x.new_empty(0)
         partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
-        wrap_triton(kernels.dropout_xa_backward_kernel)[(_cdiv(k, BLOCK_K), splits)](
+        wrap_triton(kernels.dropout_xa_backward_kernel)[(_cdiv(k, BWD_BLOCK_K), splits)](
             x, a, dxa, dx, partials, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
-            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_block_r(r), NEED_DX=need_dx, IEEE=x.dtype == torch.float32,
-            N_ROUNDS=kernels.PHILOX_ROUNDS)
+            BLOCK_M=BWD_BLOCK_M, BLOCK_K=BWD_BLOCK_K, BLOCK_R=_block_r(r), NEED_DX=need_dx,
+            IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS, num_warps=BWD_WARPS)
         return dx, partials.sum(0).to(a.dtype)
 
     def _setup_context(ctx, inputs, output):

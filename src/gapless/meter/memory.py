@@ -37,8 +37,8 @@ backward. The QLoRA, full fine-tuning and checkpointing terms are derived, not f
 round) holds them against measured peaks.
 
 LoRA dropout keeps, per layer, the bool mask of every dropout it draws for backward (the dropped input itself is
-recomputed from x and the mask): with lora.kernel grouped (and concat, which runs grouped under dropout) one mask
-over the hidden size for q/k/v and one for gate/up, with reference one per projection; o_proj's and down_proj's
+recomputed from x and the mask): with lora.kernel grouped (and concat_b, and concat, which runs concat_b under
+dropout) one mask over the hidden size for q/k/v and one for gate/up, with reference one per projection; o_proj's and down_proj's
 each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B layer, /tmp script over
 bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and [N, 8192], one mask fewer
 than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this predicts as 54.19 (-4.6%),
@@ -114,7 +114,7 @@ class MemoryEstimate:
 def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "bfloat16", lora_r: int = 16,
                     lora_targets: Sequence[str] = ALL_LINEAR, activation_checkpointing: int = 0,
                     loss_chunk: int = 2048, compiled: bool = True, shards: int = 1, lora_dropout: float = 0.0,
-                    lora_kernel: str = "concat", lora_dropout_fused: bool = False) -> MemoryEstimate:
+                    lora_kernel: str = "concat_b", lora_dropout_fused: bool = False) -> MemoryEstimate:
     """The predicted peak of one training step with `tokens` tokens per micro-batch (module docstring), on one GPU.
 
     activation_checkpointing: 0 = off, k = every k-th layer checkpointed (model.activation_checkpointing).
@@ -195,10 +195,10 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     return MemoryEstimate(rows, fixed_bytes=total - tokens * per_token, per_token_bytes=per_token, tokens=tokens)
 
 
-def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat") -> int:
+def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat_b") -> int:
     """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
-    each mask drawn. grouped (and concat, which runs grouped with dropout, and concat_b, which draws grouped's
-    masks): the targeted projections that read the same input share one mask (q/k/v; gate/up); reference: one mask
+    each mask drawn. grouped (and concat_b, which draws grouped's masks, and concat, which runs concat_b with
+    dropout): the targeted projections that read the same input share one mask (q/k/v; gate/up); reference: one mask
     per targeted projection."""
     shapes = projection_shapes(args)
     if kernel == "reference":

@@ -251,11 +251,11 @@ def _refresh_concat_rows(model: nn.Module, module: nn.Module, args) -> None:
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Add LoRA to the decoder layers' linear projections named by cfg.target_modules; freeze all else.
 
-    kernel "concat" (the default) with dropout > 0 runs "grouped", the same sums: the A rows would read
-    dropout(x), the base rows x, so they cannot share one GEMM (gapless.config.LoraKernel). "concat_b" keeps
-    dropout: only its rank-R GEMM reads dropout(x)."""
+    kernel "concat" with dropout > 0 runs "concat_b" (the default), the same sums: concat's A rows would read
+    dropout(x), its base rows x, so they cannot share one GEMM; concat_b's rank-R GEMM alone reads dropout(x)
+    (gapless.config.LoraKernel)."""
     cfg.validate()
-    kernel = "grouped" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
+    kernel = "concat_b" if cfg.kernel == "concat" and cfg.dropout > 0 else cfg.kernel
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; apply LoRA (or load an adapter) once, to a plain model")
     targets = [name for name, m in model.named_modules()

@@ -20,7 +20,7 @@ from gapless.model.decoder import CausalLM
 from gapless.model.loading import load_weights, resolve_dtype
 from gapless.model.method import Method
 from gapless.train.ckpt_activations import checkpoint_activations
-from gapless.train.compile import compile_layers
+from gapless.train.compile import compile_layers, uncompiled_loss_step
 from gapless.train.parallel import Dist, parallelize
 
 
@@ -35,6 +35,8 @@ def assemble(model: CausalLM, method: Method, device: torch.device, dtype: torch
         model = checkpoint_activations(model, every=activation_checkpointing)
     if compile:
         model = compile_layers(model)
+    else:
+        model.loss_step = uncompiled_loss_step(device)
     placement = parallelize(model, method, parallel, device, resolve_dtype(dtype, model.config_dict))  # FSDP2 here
     model = load_weights(model, dtype, device, hook=placement.load_hook, tensors=tensors)
     model = placement.initialise(model)

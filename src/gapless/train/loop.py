@@ -82,21 +82,23 @@ def resolve_auto(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, str |
 
 
 def resolve_lora_kernel(cfg: RunConfig, strategy: str) -> tuple[RunConfig, str | None]:
-    """cfg with lora.kernel "concat" (or "concat_b") replaced by "grouped" where it cannot run (the same sums), and a
-    line saying why (None where nothing changed): LoRA dropout under concat (the A rows would read dropout(x), the
-    base rows x; concat_b reads dropout(x) in its own rank-R GEMM), QLoRA (an NF4 base has no rows or columns to
-    append to), FSDP2 (each rank holds shards, not whole projections)."""
+    """cfg with lora.kernel "concat" or "concat_b" replaced where it cannot run by a form with the same sums, and a
+    line saying why (None where nothing changed): LoRA dropout under concat runs concat_b (concat's A rows would read
+    dropout(x), its base rows x; concat_b reads dropout(x) in its own rank-R GEMM); QLoRA (an NF4 base has no rows
+    or columns to append to) and FSDP2 (each rank holds shards, not whole projections) run grouped."""
     lora = cfg.lora
     if cfg.method == "full" or lora.kernel not in CONCAT_KERNELS:
         return cfg, None
-    why = (f"lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the base"
-           if lora.dropout > 0 and lora.kernel == "concat"
-           else "method qlora: an NF4 base has no rows or columns to append to" if cfg.method == "qlora"
-           else "FSDP2 shards the projections" if strategy == "fsdp" else None)
-    if why is None:
-        return cfg, None
-    return (replace(cfg, lora=replace(lora, kernel="grouped")),
-            f"lora.kernel: grouped, not {lora.kernel} ({why}; the same sums, one A matmul per group)")
+    if cfg.method == "qlora" or strategy == "fsdp":
+        why = ("method qlora: an NF4 base has no rows or columns to append to" if cfg.method == "qlora"
+               else "FSDP2 shards the projections")
+        return (replace(cfg, lora=replace(lora, kernel="grouped")),
+                f"lora.kernel: grouped, not {lora.kernel} ({why}; the same sums, one A matmul per group)")
+    if lora.dropout > 0 and lora.kernel == "concat":
+        return (replace(cfg, lora=replace(lora, kernel="concat_b")),
+                f"lora.kernel: concat_b, not concat (lora.dropout {lora.dropout:g} reads dropout(x) for A, x for the "
+                "base; the same sums, the B matrices inside the base GEMM)")
+    return cfg, None
 
 
 def resolve_per_epoch(cfg: RunConfig, batches_per_epoch: int) -> tuple[RunConfig, str | None]:

@@ -36,9 +36,9 @@ RESUMABLE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every
              "checkpoint.every", "checkpoint.per_epoch", "checkpoint.keep", "checkpoint.async_write", "progress",
              "resume", "output_dir", "model.device", "model.attn_backend", "model.compile", "data.num_workers",
              "data.cache_dir", "train.report_to", "train.wandb")
-# values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat runs grouped's
-# sums in one GEMM (and runs grouped itself under dropout, QLoRA and FSDP2), and runs before concat became the
-# default recorded grouped
+# values of one field that compute the same numbers, so a resume may swap them: lora.kernel concat and concat_b run
+# grouped's sums in one GEMM (and run grouped themselves under QLoRA and FSDP2), and runs before each became the
+# default recorded grouped or concat
 INTERCHANGEABLE = {"lora.kernel": {"concat", "concat_b", "grouped"}}
 # fields whose "auto" resolves, on resume, to the number the run's config.yaml holds (loop.auto_tokens_per_batch):
 # the config.yaml of a run started with auto records the number the batch finder chose
