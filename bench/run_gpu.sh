@@ -62,6 +62,14 @@ if [[ " $MODES " != *" $MODE "* ]]; then
   echo "[run_gpu] unknown mode '$MODE'; one of: $MODES" >&2
   exit 2
 fi
+# the modes whose steps keep fixed reserves for the steps after them: under this budget their first steps get 20 s
+# or less and are killed in their imports (session 17: startup at BUDGET_S=250 lost its warm run, probes at 290 its
+# data and flash-attn-4 probes)
+declare -A MIN_BUDGET=([startup]=330 [probes]=450 [default]=400)
+if (( ${BUDGET_S:-530} < ${MIN_BUDGET[$MODE]:-0} )); then
+  echo "[run_gpu] mode $MODE needs BUDGET_S >= ${MIN_BUDGET[$MODE]} (its steps' reserves), got ${BUDGET_S:-530}" >&2
+  exit 2
+fi
 if [[ -f .carry/carry.tar.xz ]]; then tar -xJf .carry/carry.tar.xz -C .carry; fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PEERS=packed_sdpa
