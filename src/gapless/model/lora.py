@@ -171,8 +171,9 @@ def concat_lora_weights(model: nn.Module) -> nn.Module:
 
     Only exactly-LoraLinear layers join (QLoRA's layers keep their own path). `.to()` afterwards would split the
     views from the buffer: build it on the device it trains on. The buffer is a (non-persistent) module buffer:
-    DDP needs broadcast_buffers=False, or it would send the weights every step; not for FSDP2, which shards each
-    weight.
+    DistributedDataParallel over the whole module would broadcast it, the weights, every step (broadcast_buffers);
+    gapless's DDP (torch's composable replicate, gapless.train.parallel) hands DDP a list of the parameters alone,
+    so no buffer is sent. Not for FSDP2, which shards each weight.
     """
     pairs = getattr(model, "_lora_concat_rows", [])
     for parent in model.modules():
