@@ -264,8 +264,18 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     model_config = read_config(cfg.model.path)
     cfg.check_model(model_config)
 
+    # -- data, started first in one process: tokenizing (worker processes, or the token cache) runs beside the
+    # model's loading and is waited for after it (the example 3B config cold on an H100: data 16.5 s, load 7.5 s, one
+    # after the other, run s17-startup-norblock). Under torchrun rank 0 fills the cache after the model, the others
+    # then read it (below).
+    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+    vocab_size = model_config.get("vocab_size")
+    beside = None
+    if data is None and not parallel.active:
+        beside = DataBeside(cfg.data, tokenizer_dir, vocab_size)
+
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
-    progress.phase("startup: building and loading the model")
+    progress.phase("startup: building and loading the model" + (" (the data read beside it)" if beside else ""))
     method = method_of(cfg)
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
@@ -286,13 +296,15 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
-    tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     progress.phase("startup: reading and tokenizing the data")
     startup.mark("other")
+    if beside is not None:
+        mix, eval_mix, summary = beside.result()
+        startup.overlapped["data"] = beside.seconds
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
-        if tokenizing == parallel.is_main:
-            mix, eval_mix, summary = data if data is not None else build_data(
-                cfg.data, tokenizer_dir, vocab_size=model_config.get("vocab_size"))
+        if beside is None and tokenizing == parallel.is_main:
+            mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir,
+                                                                              vocab_size=vocab_size)
         parallel.barrier()
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
@@ -316,6 +328,35 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     return Run(cfg, device, timeline, progress, run_dir, tokenizer_dir, method, model, params, optimizer, scheduler,
                sampler, eval_batches, steps_total, checkpoints, peak_flops, masters, scaler, NonFinite(device),
                startup, parallel)
+
+
+class DataBeside:
+    """gapless.data.pipeline.build_data in a thread, started now: its tokenizing runs in worker processes (or it
+    reads the token cache) while this thread goes on (setup loads the model meanwhile). result() waits and returns
+    build_data's value or raises its error; `seconds` is its own wall time. The workers are forked from the thread
+    before the model's loading has gone far: the parent's CUDA state is never used in them (tokenizers only). A
+    model that fails to load still waits for the tokenizing at exit (concurrent.futures joins its threads), which
+    leaves the token cache filled for the next run."""
+
+    def __init__(self, cfg, tokenizer_dir: Path, vocab_size: int | None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from gapless.data.pipeline import build_data
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return build_data(cfg, tokenizer_dir, vocab_size=vocab_size)
+            finally:
+                self.seconds = time.perf_counter() - start
+
+        self.seconds = 0.0
+        executor = ThreadPoolExecutor(1, thread_name_prefix="gapless-data")
+        self.future = executor.submit(timed)
+        executor.shutdown(wait=False)  # the one task runs on; nothing more is submitted
+
+    def result(self):
+        return self.future.result()
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
@@ -740,13 +781,14 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
 
 def startup_record(run: Run, step: int, first_step_s: float) -> dict:
     """{"kind": "startup"}: the seconds from the run's clock start to the end of its first step, by part
-    (StartupParts), of which torch.compile's (its cache hits and misses, compile.cache_counts, and its longest phases,
+    (StartupParts; with the seconds that ran beside them, "overlapped"), of which torch.compile's (its cache hits and misses, compile.cache_counts, and its longest phases,
     compile.compile_phases); and the peak memory so far (the GPU's allocated bytes, the host's resident set), in GiB."""
     import resource
 
     cuda = run.device.type == "cuda"
     parts = {k: round(v, 4) for k, v in run.startup.seconds.items()}
     return {"kind": "startup", "step": step, "first_step_s": first_step_s, "seconds": parts,
+            "overlapped": {k: round(v, 4) for k, v in run.startup.overlapped.items()},
             "compile_s": round(compile_seconds(), 4), "compile_caches": cache_counts(),
             "compile_phases": compile_phases(),
             "peak_gib": torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
