@@ -140,7 +140,7 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
     parts = startup["seconds"]
     return {"outside_s": round(outside, 3), "inside_s": round(startup["first_step_s"], 3),
             "breakdown": {"imports_config": parts["imports_config"], "load": parts["model"], "data": parts["data"],
-                          "other": parts["other"], "first_step": parts["first_step"],
+                          "other": parts["other"], "warmup": parts.get("warmup"), "first_step": parts["first_step"],
                           "compile": startup["compile_s"],
                           # the data's own seconds, read beside the model's load ("data" is the wait after it)
                           "data_beside": startup.get("overlapped", {}).get("data")},

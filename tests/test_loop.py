@@ -478,3 +478,51 @@ def test_data_is_read_beside_the_model_loading(base, uninterrupted, monkeypatch)
     monkeypatch.setattr(pipeline, "build_data", broken)
     with pytest.raises(ValueError, match="broken.jsonl line 3"):
         train(run_config(base, "beside_broken"))
+
+
+def test_layers_compile_on_a_made_up_batch_while_the_data_is_read(base, monkeypatch):
+    """With compile on and the data not read yet when the model is loaded, setup runs one forward and backward of a
+    made-up packed batch: the layers (and the loss's step) compile there, step 1 and after compile nothing more, and
+    the losses equal a run without it (its random stream forked, its gradients dropped)."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    from test_kernels_attention import reference_backward, reference_forward
+
+    import gapless.data.pipeline as pipeline
+    import gapless.model.decoder as decoder
+    import gapless.train.loop as loop
+    from gapless.kernels.attention import op_attention, varlen_attention_op
+
+    warmed, graphs = threading.Event(), {}
+    build_data, compile_beside_data = pipeline.build_data, loop.compile_beside_data
+
+    def data_after_the_warmup(*args, **kwargs):
+        warmed.wait(timeout=300)  # the data is still being read while the layers compile
+        return build_data(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        ran = compile_beside_data(*args, **kwargs)
+        graphs["warmup"] = counters["stats"]["unique_graphs"]
+        warmed.set()
+        return ran
+
+    monkeypatch.setattr(pipeline, "build_data", data_after_the_warmup)
+    monkeypatch.setattr(loop, "compile_beside_data", counted)
+    # the GPU's kind of attention: a varlen custom op (no graph break), here the reference's; the CPU's sdpa loops
+    # over the documents in Python and compiles again for each count
+    reference = op_attention("ref_op", varlen_attention_op("test_reference", reference_forward, reference_backward))
+    monkeypatch.setattr(decoder, "get_attention", lambda backend: reference)
+    settings = {"model.compile": "true", "train.steps": 3, "checkpoint.every": 0, "lora.dropout": 0.0}
+    torch._dynamo.reset()
+    counters.clear()
+    warm = train(run_config(base, "warmup", **settings))
+    assert graphs["warmup"] >= 1 and counters["stats"]["unique_graphs"] == graphs["warmup"]
+    records = [json.loads(line) for line in (warm.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "warmup" in next(r for r in records if r.get("kind") == "startup")["seconds"]
+
+    warmed.set()
+    monkeypatch.setattr(loop, "compile_beside_data", lambda *args, **kwargs: pytest.fail("not without compile"))
+    plain = train(run_config(base, "warmup_plain", **{**settings, "model.compile": "false"}))
+    assert warm.losses == pytest.approx(plain.losses, rel=1e-5)

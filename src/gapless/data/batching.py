@@ -207,6 +207,42 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def pack_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], b: int, t: int, pad_id: int) -> Batch:
+    """b packed rows of t slots from each row's documents, (token ids, trained mask) pairs: the documents one after
+    another, each's position_ids from 0, its targets the next token where that one is trained; the unused tail of a
+    row is a segment of its own, all padding (rows past len(rows) are all tail)."""
+    ids = np.full((b, t), pad_id, np.int64)
+    targets = np.full((b, t), IGNORE, np.int64)
+    pos = np.zeros((b, t), np.int64)
+    seqlens, lengths = [], []
+    for r in range(b):
+        c = 0
+        for x, m in rows[r] if r < len(rows) else []:
+            n = len(x)
+            ids[r, c:c + n] = x
+            targets[r, c:c + n - 1] = np.where(m[1:] == 1, x[1:], IGNORE)
+            pos[r, c:c + n] = np.arange(n)
+            seqlens.append(n)
+            lengths.append(n)
+            c += n
+        if c < t:  # the unused tail of the row: a segment of its own, all padding
+            pos[r, c:] = np.arange(t - c)
+            seqlens.append(t - c)
+    cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
+    return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), torch.from_numpy(cu),
+                 int(max(seqlens)), None, sum(lengths), int((targets != IGNORE).sum()), b * t, tuple(lengths))
+
+
+def made_up_packed_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
+    """`rows` packed rows of seq_len slots laid out as BatchSampler's (pack_rows): documents of seq_len / 2, / 4
+    and / 8 random tokens, all trained, then the padding tail. What the compiled layers first run on while the
+    data is still being read (gapless.train.loop.compile_beside_data); its values matter to nothing."""
+    rng = np.random.default_rng(seed)
+    lengths = [n for n in (seq_len // 2, seq_len // 4, seq_len // 8) if n > 1] or [seq_len]
+    return pack_rows([[(rng.integers(0, vocab_size, n), np.ones(n, np.int64)) for n in lengths]
+                      for _ in range(rows)], rows, seq_len, pad_id=0)
+
+
 class BatchSampler:
     """An endless, seeded, resumable stream of Batches over a Mixture.
 
@@ -302,28 +338,8 @@ class BatchSampler:
         return self._padded(item, t)
 
     def _packed(self, rows: list[list[int]]) -> Batch:
-        b, t = self.rows_per_batch, self.max_seq_len
-        ids = np.full((b, t), self.pad_id, np.int64)
-        targets = np.full((b, t), IGNORE, np.int64)
-        pos = np.zeros((b, t), np.int64)
-        seqlens = []
-        for r in range(b):
-            c = 0
-            for d in rows[r] if r < len(rows) else []:
-                x, m = self.mix.doc(d)
-                n = len(x)
-                ids[r, c:c + n] = x
-                targets[r, c:c + n - 1] = np.where(m[1:] == 1, x[1:], IGNORE)
-                pos[r, c:c + n] = np.arange(n)
-                seqlens.append(n)
-                c += n
-            if c < t:  # the unused tail of the row: a segment of its own, all padding
-                pos[r, c:] = np.arange(t - c)
-                seqlens.append(t - c)
-        lengths = tuple(int(self.mix.lengths[d]) for row in rows for d in row)
-        cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
-        return Batch(torch.from_numpy(ids), torch.from_numpy(targets), torch.from_numpy(pos), torch.from_numpy(cu),
-                     int(max(seqlens)), None, sum(lengths), int((targets != IGNORE).sum()), b * t, lengths)
+        return pack_rows([[self.mix.doc(d) for d in row] for row in rows], self.rows_per_batch, self.max_seq_len,
+                         self.pad_id)
 
     def _padded(self, docs: list[int], t: int) -> Batch:
         b = len(docs)

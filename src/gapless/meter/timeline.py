@@ -102,7 +102,8 @@ class StartupParts:
     part running since the previous mark, so the parts add up to the first step's wall time by construction. The
     parts `gapless train` marks: imports_config (the interpreter, the imports, the config, the run folder), model
     (build, transform, load the weights), data (read and tokenize, or the token cache), other (optimizer, peak FLOPs,
-    checkpoints, the GPU monitor), first_step (its batch, the compile, forward, backward, update, settled).
+    checkpoints, the GPU monitor), warmup (where the data is still being read after the model: the layers compiled
+    on a made-up batch), first_step (its batch, the compile, forward, backward, update, settled).
     `overlapped`: the seconds of work that ran beside the parts rather than in one (gapless train reads its data
     while the model loads: "data" is then the wait for it after the model, overlapped["data"] its whole time)."""
 

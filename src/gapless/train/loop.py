@@ -42,7 +42,7 @@ from gapless.meter.sinks import require as require_sinks
 from gapless.meter.timeline import CATEGORIES, StartupParts, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
-from gapless.train.batch_finder import run_with_oom_backoff, split_rows
+from gapless.train.batch_finder import free_memory, run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
 from gapless.train.checkpoint_interval import MEASURE_STEPS, CheckpointSchedule, tensor_bytes
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
@@ -275,7 +275,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         beside = DataBeside(cfg.data, tokenizer_dir, vocab_size)
 
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
-    progress.phase("startup: building and loading the model" + (" (the data read beside it)" if beside else ""))
+    progress.phase("startup: building and loading the model")
     method = method_of(cfg)
     model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
@@ -294,6 +294,14 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
                          "in tokens (a multiple of max_seq_len times the number of processes)")
     if cfg.data.tokens_per_batch == "auto":
         cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
+    elif beside is not None and cfg.model.compile and cfg.data.batching == "packed" and not beside.future.done():
+        # step 1's first compile (the layers, and whatever compiles at a first call: flash-attn-4's kernels, the
+        # loss's Triton step, inductor's autotuning) on a made-up batch while the data is still being read
+        progress.phase("startup: compiling the layers while the data is read")
+        startup.mark("other")
+        if not compile_beside_data(model, params, cfg.data, device):
+            progress.message("startup: the made-up batch ran out of memory; step 1 compiles the layers instead")
+        startup.mark("warmup")
 
     # -- data: tokenized once (cached), then a seeded, resumable batch stream
     progress.phase("startup: reading and tokenizing the data")
@@ -357,6 +365,32 @@ class DataBeside:
 
     def result(self):
         return self.future.result()
+
+
+def compile_beside_data(model, params: list[torch.Tensor], data, device: torch.device) -> bool:
+    """One forward and backward of a made-up packed batch (gapless.data.batching.made_up_packed_batch: the run's
+    rows of data.max_seq_len slots) under a forked RNG, its gradients dropped, so the run's random stream and
+    parameters are as without it: what compiles at step 1 compiles here instead, while the data is read. The
+    compiled layers take any document layout without compiling again (symbolic sizes: gapless.train.compile).
+    False where it ran out of memory (its tensors freed; step 1 compiles as it would have)."""
+    from gapless.data.batching import made_up_packed_batch
+    from gapless.train.step import loss_sum
+
+    batch = made_up_packed_batch(data.tokens_per_batch // data.max_seq_len, data.max_seq_len,
+                                 model.args.vocab_size).to(device)
+    ran = True
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            loss_sum(model, batch).backward()
+        except torch.OutOfMemoryError:
+            ran = False  # freed below, outside the handler
+    del batch
+    model.zero_grad(set_to_none=True)
+    for p in params:  # float32 masters hold the folded gradients of bf16/fp16 trainable weights
+        p.grad = None
+    if not ran:
+        free_memory(device)  # a successful run's blocks stay cached: step 1 reuses them
+    return ran
 
 
 def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[torch.Tensor], device: torch.device,
