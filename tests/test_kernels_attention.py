@@ -291,3 +291,18 @@ def test_flash_attn_4_kernel_cache_goes_beside_gaplesss_unless_the_user_chose(mo
     assert fa4_disk_cache() == tmp_path
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     assert fa4_disk_cache() is None
+
+
+def test_compiles_once_names_the_backends_that_are_one_op():
+    """The backends a compiled layer takes any packed layout through (one op over cu_seqlens: the training loop's
+    made-up warm-up batch then stands for every real one), and not sdpa's per-document loop or flex's masks."""
+    from gapless.kernels.attention import compiles_once, get_attention, op_attention, varlen_attention_op
+
+    assert not compiles_once(get_attention("sdpa")) and not compiles_once(get_attention("flex"))
+    assert compiles_once(op_attention("ref_op", varlen_attention_op("test_once", reference_forward,
+                                                                    reference_backward)))
+    try:
+        varlen = get_attention("varlen")
+    except RuntimeError:  # a torch without torch.nn.attention.varlen
+        return
+    assert compiles_once(varlen)

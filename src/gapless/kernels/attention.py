@@ -119,6 +119,13 @@ def get_attention(name: str) -> AttentionFn:
     return backends[name]()
 
 
+def compiles_once(attn_fn: AttentionFn) -> bool:
+    """Whether decoder layers compiled around attn_fn take any layout of packed documents without compiling again:
+    the backends that are one op in the graph over cu_seqlens (varlen, fa4_op, any op_attention). sdpa's reference
+    loops over the documents in Python, a graph per document count; flex builds a block mask per batch."""
+    return getattr(attn_fn, "compiles_once", False)
+
+
 def backend_names() -> list[str]:
     return sorted(_backends())
 
@@ -265,6 +272,7 @@ def _varlen_backend() -> AttentionFn:
         out = varlen_attn(q2, k2, v2, cu, cu, max_len, max_len, **mode, **gqa)
         return out.view(q.shape)
 
+    varlen.compiles_once = True  # one op over cu_seqlens (compiles_once)
     return varlen
 
 
@@ -488,4 +496,5 @@ def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> A
                     -1 if sliding_window is None else sliding_window - 1)
         return out.view(q.shape)
 
+    attention.compiles_once = True  # one op over cu_seqlens (compiles_once)
     return attention

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from gapless.config import CONCAT_KERNELS, RunConfig, resolve_device, to_dict
+from gapless.kernels.attention import compiles_once
 from gapless.data.batching import Batch, BatchSampler
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
@@ -294,9 +295,11 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
                          "in tokens (a multiple of max_seq_len times the number of processes)")
     if cfg.data.tokens_per_batch == "auto":
         cfg = auto_tokens_per_batch(cfg, model, method, params, device, run_dir, progress)
-    elif beside is not None and cfg.model.compile and cfg.data.batching == "packed" and not beside.future.done():
+    elif (beside is not None and cfg.model.compile and cfg.data.batching == "packed" and compiles_once(model.attn_fn)
+          and not beside.future.done()):
         # step 1's first compile (the layers, and whatever compiles at a first call: flash-attn-4's kernels, the
-        # loss's Triton step, inductor's autotuning) on a made-up batch while the data is still being read
+        # loss's Triton step, inductor's autotuning) on a made-up batch while the data is still being read; only
+        # where the compiled layers take the real batches' layouts as they are (compiles_once)
         progress.phase("startup: compiling the layers while the data is read")
         startup.mark("other")
         if not compile_beside_data(model, params, cfg.data, device):
