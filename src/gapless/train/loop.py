@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from gapless.config import CONCAT_KERNELS, RunConfig, resolve_device, to_dict
-from gapless.kernels.attention import compiles_once
 from gapless.data.batching import Batch, BatchSampler
+from gapless.kernels.attention import compiles_once
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import plots_of, read_run, write_report
@@ -344,9 +344,10 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
 class DataBeside:
     """gapless.data.pipeline.build_data in a thread, started now: its tokenizing runs in worker processes (or it
     reads the token cache) while this thread goes on (setup loads the model meanwhile). result() waits and returns
-    build_data's value or raises its error; `seconds` is its own wall time. The workers are forked from the thread
-    before the model's loading has gone far: the parent's CUDA state is never used in them (tokenizers only). A
-    model that fails to load still waits for the tokenizing at exit (concurrent.futures joins its threads), which
+    build_data's value or raises its error; `seconds` is its own wall time. Its worker processes are forked from
+    this thread while the model loads; they only tokenize, never touching the parent's CUDA state or its loading
+    threads' files (the import lock is held across a fork by CPython, so no import is caught halfway). A model that
+    fails to load still waits for the tokenizing at exit (concurrent.futures joins its threads), which
     leaves the token cache filled for the next run."""
 
     def __init__(self, cfg, tokenizer_dir: Path, vocab_size: int | None):
