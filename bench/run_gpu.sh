@@ -32,6 +32,9 @@
 #   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
 #                                  picks others, PROFILE_MODEL another model), on a machine where flash-attn-4 is
 #                                  installed (a `default` call before)
+#   bash bench/run_gpu.sh dropout  bench/dropout_gpu.py --apply (the fused dropout kernels tuned, the fastest 10-round
+#                                  blocks and warps written into this machine's copy), then `default` and
+#                                  `default_dropout` side by side (AB_CONFIGS picks others)
 #   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat,default_dropout,
 #                                  default_dropout_grouped) side by side on Llama-3.2-3B
 #   bash bench/run_gpu.sh probes   the start-up probes: bench/data_probe.py --cprofile, bench/fa4_cache_probe.py (where
@@ -55,7 +58,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-MODES="stash probes all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
+MODES="stash probes dropout all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
 # an unknown mode is an error before anything runs: session 16 typed one, and the old fallback ran the whole ladder
 # (450 s of a 1,800 s device budget)
 if [[ " $MODES " != *" $MODE "* ]]; then
@@ -65,7 +68,7 @@ fi
 # the modes whose steps keep fixed reserves for the steps after them: under this budget their first steps get 20 s
 # or less and are killed in their imports (session 17: startup at BUDGET_S=250 lost its warm run, probes at 290 its
 # data and flash-attn-4 probes)
-declare -A MIN_BUDGET=([startup]=330 [probes]=450 [default]=400)
+declare -A MIN_BUDGET=([startup]=330 [probes]=450 [default]=400 [dropout]=400)
 if (( ${BUDGET_S:-530} < ${MIN_BUDGET[$MODE]:-0} )); then
   echo "[run_gpu] mode $MODE needs BUDGET_S >= ${MIN_BUDGET[$MODE]} (its steps' reserves), got ${BUDGET_S:-530}" >&2
   exit 2
@@ -109,6 +112,7 @@ LENGTHS=.carry/lengths_shared_mix.txt
 BUDGET=${BUDGET_S:-530}  # seconds, under the 600 s of one call
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) - $1 )); }  # seconds left, less a reserve of $1
+at_least() { local s; s=$(left "$1"); echo $(( s > 20 ? s : 20 )); }  # `timeout 0` would mean no limit at all
 
 bench() {  # bench RESERVE_S ARGS...: one gapless bench process with the time left after RESERVE_S
   local reserve=$1; shift
@@ -164,7 +168,6 @@ elif [[ $MODE == probes ]]; then
   # parent's cProfile, the cgroup quota), whether flash-attn-4's kernels load from its disk cache in a second
   # process, and the start-up with inductor's dynamic RBLOCK scaling off (its two reductions were benchmarked again in
   # every warm start: bench/RESULTS.md, thirteenth round)
-  at_least() { local s; s=$(left "$1"); echo $(( s > 20 ? s : 20 )); }  # `timeout 0` would mean no limit at all
   timeout -k 10 "$(at_least 330)" "$PY" bench/data_probe.py --cprofile --modes plain,cuda 2>&1 \
     | tee "$OUT/data_probe.log"
   if "$PY" -c "import flash_attn.cute" 2>/dev/null; then
@@ -173,6 +176,14 @@ elif [[ $MODE == probes ]]; then
   # the weights of an earlier `startup` call on this machine are reused (its caches are emptied first: cold)
   TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0 timeout -k 10 "$(at_least 0)" "$PY" bench/startup_gpu.py \
     --work /tmp/gapless-startup --run-id "$RUN_ID-norblock" 2>&1 | tee "$OUT/startup-norblock.log"
+elif [[ $MODE == dropout ]]; then
+  # the fused dropout kernels tuned (bench/dropout_gpu.py: rounds, blocks, warps, programs; --apply writes the fastest
+  # 10-round blocks and warps into this machine's copy of gapless.kernels.lora_dropout, the diff in the log), then
+  # `default` and `default_dropout` side by side with them: the dropout target. Carry .whl/fa4b after a `stash`
+  # call carried .whl/fa4a, so `auto` runs fa4_op as `default` does
+  timeout -k 10 "$(at_least 250)" "$PY" bench/dropout_gpu.py --apply --out "$OUT/dropout_gpu.jsonl" 2>&1 \
+    | tee "$OUT/dropout_gpu.log"
+  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_dropout}"
 elif [[ $MODE == ab ]]; then
   # two (or more) configurations side by side on Llama-3.2-3B in one process (AB_CONFIGS), on a machine where an
   # earlier call stashed .whl/fa4a when this one carries .whl/fa4b (so `auto` runs fa4_op as `default` does)
