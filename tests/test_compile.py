@@ -235,13 +235,14 @@ def test_a_run_without_compile_keeps_the_triton_loss_step_on_cuda_only(monkeypat
     """model.compile false: the loss's Triton step (it needs no torch.compile) on CUDA where triton imports, the
     eager step elsewhere, never torch.compile's; assemble puts on the model what uncompiled_loss_step says for its
     device."""
+    import gapless.kernels.loss as loss_mod
     import gapless.train.compile as compile_mod
     from gapless.config import LoraConfig
     from gapless.model.decoder import CausalLM, ModelArgs
     from gapless.model.method import Lora
 
     for triton, device, step in ((True, "cuda", "triton"), (False, "cuda", "eager"), (True, "cpu", "eager")):
-        monkeypatch.setattr(compile_mod, "TRITON", triton)
+        monkeypatch.setattr(loss_mod, "TRITON", triton)  # whether triton imports, as resolve_step reads it
         assert compile_mod.uncompiled_loss_step(torch.device(device)) == step
     asked = []
     monkeypatch.setattr(assemble, "uncompiled_loss_step", lambda device: asked.append(device) or "triton")

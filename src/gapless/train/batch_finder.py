@@ -98,6 +98,14 @@ def find_token_budget(predicted: int, try_step: Callable[[int], float | None], f
     return choice
 
 
+def drop_gradients(model, params: list[torch.Tensor]) -> None:
+    """A trial step's gradients dropped: the model's, and those of the optimizer's tensors (the float32 masters hold
+    the folded gradients of bf16/fp16 trainable weights)."""
+    model.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+
+
 def free_memory(device: torch.device) -> None:
     """Give back what a failed attempt held: collect its tensors, then the caching allocator's free blocks."""
     gc.collect()
@@ -198,9 +206,7 @@ def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.dev
         except torch.OutOfMemoryError:
             pass  # freed below, outside the handler
         del batch
-        model.zero_grad(set_to_none=True)
-        for p in params:  # float32 masters hold the folded gradients of full fine-tuning
-            p.grad = None
+        drop_gradients(model, params)
         free_memory(device)
         return peak
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gapless.kernels.loss import TRITON
+from gapless.kernels.loss import resolve_step
 
 # Inductor's FX-graph and AOTAutograd caches (on by default in torch >= 2.6) live in TORCHINDUCTOR_CACHE_DIR, else
 # /tmp/torchinductor_USER, which a reboot empties. gapless keeps them beside its token cache, so a second run of the
@@ -57,7 +57,8 @@ def uncompiled_loss_step(device: torch.device) -> str:
     where triton imports, which needs no torch.compile (the whole fused loss of 16,384 tokens against Llama 3's
     head: 42.1 ms against the eager step's 69.2 on an H100, bench/kernels_h100_s16.jsonl), else the eager step: a
     run told not to compile compiles nothing."""
-    return "triton" if device.type == "cuda" and TRITON else "eager"
+    step = resolve_step("auto", device)  # the rule of where the Triton step runs, kept in gapless.kernels.loss
+    return step if step == "triton" else "eager"
 
 
 def compile_settings(compiled: Callable) -> Callable:

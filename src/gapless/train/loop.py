@@ -43,7 +43,7 @@ from gapless.meter.sinks import require as require_sinks
 from gapless.meter.timeline import CATEGORIES, StartupParts, Timeline, format_summary
 from gapless.meter.window import ThroughputWindow
 from gapless.model.method import Method, method_of
-from gapless.train.batch_finder import free_memory, run_with_oom_backoff, split_rows
+from gapless.train.batch_finder import drop_gradients, free_memory, run_with_oom_backoff, split_rows
 from gapless.train.checkpoint import CheckpointManager, capture_rng_state, load, restore_rng_state, resume_point
 from gapless.train.checkpoint_interval import MEASURE_STEPS, CheckpointSchedule, tensor_bytes
 from gapless.train.dist_checkpoint import checkpoint_manager, is_dcp, load_sharded
@@ -389,9 +389,7 @@ def compile_beside_data(model, params: list[torch.Tensor], data, device: torch.d
         except torch.OutOfMemoryError:
             ran = False  # freed below, outside the handler
     del batch
-    model.zero_grad(set_to_none=True)
-    for p in params:  # float32 masters hold the folded gradients of bf16/fp16 trainable weights
-        p.grad = None
+    drop_gradients(model, params)
     if not ran:
         free_memory(device)  # a successful run's blocks stay cached: step 1 reuses them
     return ran
