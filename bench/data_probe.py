@@ -74,7 +74,8 @@ def child(mode: str, data: Path, tokenizer: Path, workers: int, profile: bool) -
     from gapless.data.tokenize import available_cpus, cgroup_cpu_quota
 
     return {"mode": mode, "workers": workers, "affinity": len(os.sched_getaffinity(0)),
-            "cgroup_cpu_quota": cgroup_cpu_quota(), "available_cpus": available_cpus(), "fork_pool_s": round(fork_s, 3), "build_data_s": round(data_s, 3),
+            "cgroup_cpu_quota": cgroup_cpu_quota(), "available_cpus": available_cpus(), "fork_pool_s": round(fork_s, 3),
+            "build_data_s": round(data_s, 3),
             # CPU seconds (user + system) of this process and of its ended workers during build_data
             "parent_cpu_s": round(own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime, 2),
             "workers_cpu_s": round(workers1.ru_utime + workers1.ru_stime - workers0.ru_utime - workers0.ru_stime, 2),

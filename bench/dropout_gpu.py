@@ -530,7 +530,8 @@ def main(argv=None) -> int:
     total = dict(where=0.0, join=0.0, forward=0.0)
     for shape_name, k, r in shapes:
         seed = torch.tensor([7], dtype=torch.int64, device=device)
-        same = torch.equal(mask_counts(n, k, seed, args.p, v, join=False), mask_counts(n, k, seed, args.p, v, join=True))
+        same = torch.equal(mask_counts(n, k, seed, args.p, v, join=False),
+                           mask_counts(n, k, seed, args.p, v, join=True))
         row = dict(kernel="mask", shape=shape_name, tokens=n, in_features=k, R=r, **v, counts_equal=same)
         for unpack, join in (("where", False), ("join", True)):
             row[f"{unpack}_ms"] = time_fn(lambda join=join: mask_counts(n, k, seed, args.p, v, join))

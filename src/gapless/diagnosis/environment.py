@@ -164,7 +164,8 @@ def environment_record(probe_kernels: bool = True) -> dict:
     """Everything about this machine and install that changes what a run computes or how fast it runs.
     probe_kernels=False: the fast kernels are looked up, not imported (see kernel_imports)."""
     return {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
-            "cpu_count": cpu_count(), "cpu_quota": cpu_quota(), "packages": package_versions(), "kernels": kernel_imports(probe_kernels),
+            "cpu_count": cpu_count(), "cpu_quota": cpu_quota(), "packages": package_versions(),
+            "kernels": kernel_imports(probe_kernels),
             "gpu": gpu_record(), "torch_flags": torch_flags(), "env": env_vars(), "gapless": gapless_source()}
 
 

@@ -1,7 +1,8 @@
 """LoRA's linear layer in four forms (LoraConfig.kernel picks one; gapless.config says what each measured):
 lora_linear_reference, the plain formula, one layer at a time; lora_linear_grouped, the same formula for the
-layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul; and lora_linear_concat, the frozen projections and the A matrices of those layers as one GEMM over a buffer
-[W_1; ..; W_k; A_1; ..; A_k], so each activation is read once; and lora_linear_concat_b (the default), the B
+layers that read the same input (q/k/v; gate/up) with their A matrices as one matmul; and lora_linear_concat, the
+frozen projections and the A matrices of those layers as one GEMM over a buffer [W_1; ..; W_k; A_1; ..; A_k], so
+each activation is read once; and lora_linear_concat_b (the default), the B
 matrices inside the base GEMM instead, along its input (gapless.model.lora gives it the groups of layers that read
 one input, and concat's form the layers alone: 1.2% over concat on an H100, run s17-ab; on every layer it ran 0.84%
 slower than concat, run s16-ab).
@@ -18,9 +19,9 @@ ms for the reference, bench/RESULTS.md run 20261203T144848Z-9d4119: torch.compil
 removed (issue shape); its measurement stays in bench/RESULTS.md. lora_linear_concat differs from it: its
 autograd.Function is plain torch ops that torch.compile traces and fuses with their neighbours, not an opaque kernel.
 
-Under dropout, concat runs concat_b (grouped until run s17). A fourth form stacked only the frozen q/k/v (gate/up) weights for one base GEMM
-beside grouped's dropout A matmul: 33,361 against grouped's 33,991 real tokens/s for Llama-3.2-3B at dropout 0.05
-on the H200 (run s14-default, one call, fa4_op), so it was removed.
+Under dropout, concat runs concat_b (grouped until run s17). A fourth form stacked only the frozen q/k/v (gate/up)
+weights for one base GEMM beside grouped's dropout A matmul: 33,361 against grouped's 33,991 real tokens/s for
+Llama-3.2-3B at dropout 0.05 on the H200 (run s14-default, one call, fa4_op), so it was removed.
 
 Dropout: `dropout` is what LoraLinear holds (a FusedDropout, an nn.Dropout under lora.fused_dropout: false, or
 nn.Identity at p = 0) or any callable on x. A FusedDropout in training on a CUDA tensor with triton importable runs
