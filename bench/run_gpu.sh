@@ -28,13 +28,14 @@
 #                                  runs fa4_op): `default` (LoRA inside the base GEMMs), `default_concat` and
 #                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
 #                                  Llama-3.1-8B (TOKENS_8B: 16,384
-#                                  over 100 GiB, else 8,192) and Llama-3.2-1B
+#                                  over 100 GiB, else 8,192) and Llama-3.2-1B (DEFAULT_CONFIGS=none: only those two)
 #   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
 #                                  picks others, PROFILE_MODEL another model), on a machine where flash-attn-4 is
 #                                  installed (a `default` call before)
 #   bash bench/run_gpu.sh dropout  bench/dropout_gpu.py --apply (the fused dropout kernels tuned, the fastest 10-round
 #                                  blocks and warps written into this machine's copy), then `default` and
-#                                  `default_dropout` side by side (AB_CONFIGS picks others)
+#                                  `default_dropout` side by side (AB_CONFIGS picks others; none: the tuning alone,
+#                                  its lora_dropout.py stashed for a later call's DROPOUT_TUNED=1 on this machine)
 #   bash bench/run_gpu.sh ab       AB_CONFIGS (default: default,default_concat,default_dropout,
 #                                  default_dropout_grouped) side by side on Llama-3.2-3B
 #   bash bench/run_gpu.sh probes   the start-up probes: bench/data_probe.py --cprofile, bench/fa4_cache_probe.py (where
@@ -69,11 +70,25 @@ fi
 # or less and are killed in their imports (session 17: startup at BUDGET_S=250 lost its warm run, probes at 290 its
 # data and flash-attn-4 probes)
 declare -A MIN_BUDGET=([startup]=330 [probes]=450 [default]=400 [dropout]=400)
+# DEFAULT_CONFIGS=none: `default` runs only the 8B and 1B; AB_CONFIGS=none: `dropout` only tunes the kernels
+if [[ ${DEFAULT_CONFIGS:-} == none ]]; then MIN_BUDGET[default]=200; fi
+if [[ ${AB_CONFIGS:-} == none ]]; then MIN_BUDGET[dropout]=200; fi
 if (( ${BUDGET_S:-530} < ${MIN_BUDGET[$MODE]:-0} )); then
   echo "[run_gpu] mode $MODE needs BUDGET_S >= ${MIN_BUDGET[$MODE]} (its steps' reserves), got ${BUDGET_S:-530}" >&2
   exit 2
 fi
 if [[ -f .carry/carry.tar.xz ]]; then tar -xJf .carry/carry.tar.xz -C .carry; fi
+# DROPOUT_TUNED=1: the dropout kernels' blocks and warps that an earlier `dropout` call on this warm machine wrote
+# (a call's copy of the repository replaces the last one's)
+if [[ -n ${DROPOUT_TUNED:-} ]]; then
+  if [[ -f /root/stash/lora_dropout.tuned.py ]]; then
+    cp /root/stash/lora_dropout.tuned.py src/gapless/kernels/lora_dropout.py
+    echo "[run_gpu] lora_dropout.py as tuned by an earlier call: $(grep -E '^(FWD|BWD|BACKWARD)_' \
+      src/gapless/kernels/lora_dropout.py | tr '\n' ' ')"
+  else
+    echo "[run_gpu] DROPOUT_TUNED: no tuned lora_dropout.py stashed on this machine; the repository's" >&2
+  fi
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PEERS=packed_sdpa
 if compgen -G ".whl/liger/*.whl" > /dev/null; then
@@ -181,9 +196,12 @@ elif [[ $MODE == dropout ]]; then
   # 10-round blocks and warps into this machine's copy of gapless.kernels.lora_dropout, the diff in the log), then
   # `default` and `default_dropout` side by side with them: the dropout target. Carry .whl/fa4b after a `stash`
   # call carried .whl/fa4a, so `auto` runs fa4_op as `default` does
-  timeout -k 10 "$(at_least 250)" "$PY" bench/dropout_gpu.py --apply --out "$OUT/dropout_gpu.jsonl" 2>&1 \
-    | tee "$OUT/dropout_gpu.log"
-  bench 0 --model $M3 --config "${AB_CONFIGS:-default,default_dropout}"
+  # (AB_CONFIGS=none: the tuning alone, its file stashed for a later call's DROPOUT_TUNED=1)
+  AB=${AB_CONFIGS:-default,default_dropout}
+  timeout -k 10 "$(at_least $([[ $AB == none ]] && echo 0 || echo 250))" "$PY" bench/dropout_gpu.py --apply \
+    --out "$OUT/dropout_gpu.jsonl" 2>&1 | tee "$OUT/dropout_gpu.log"
+  mkdir -p /root/stash && cp src/gapless/kernels/lora_dropout.py /root/stash/lora_dropout.tuned.py
+  if [[ $AB != none ]]; then bench 0 --model $M3 --config "$AB"; fi
 elif [[ $MODE == ab ]]; then
   # two (or more) configurations side by side on Llama-3.2-3B in one process (AB_CONFIGS), on a machine where an
   # earlier call stashed .whl/fa4a when this one carries .whl/fa4b (so `auto` runs fa4_op as `default` does)
@@ -195,7 +213,8 @@ elif [[ $MODE == default ]]; then
   # issue fast2's targets: `default`, what a default config resolves to here (fa4_op where flash-attn-4 was carried,
   # the row's attn says), beside LoRA inside the base GEMMs and LoRA dropout 0.05, on Llama-3.2-3B; then Llama-3.1-8B
   # and Llama-3.2-1B. Reserves: 8B ~130 s, 1B ~70 s (the H100's calls: a 3B config ~75 s after the first's compile)
-  bench 200 --model $M3 --config "${DEFAULT_CONFIGS:-default,default_concat,default_dropout}"
+  DC=${DEFAULT_CONFIGS:-default,default_concat,default_dropout}
+  if [[ $DC != none ]]; then bench 200 --model $M3 --config "$DC"; fi
   bench 75 --model bench/models/llama-3.1-8b --config default --tokens-per-batch "${TOKENS_8B:-$BIG_TOKENS}"
   bench 0 --model bench/models/llama-3.2-1b --config default
 elif [[ $MODE == methods ]]; then
