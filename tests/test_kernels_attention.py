@@ -306,3 +306,11 @@ def test_compiles_once_names_the_backends_that_are_one_op():
     except RuntimeError:  # a torch without torch.nn.attention.varlen
         return
     assert compiles_once(varlen)
+
+
+def test_the_configs_backend_names_are_the_registrys():
+    """gapless.config checks model.attn_backend against ATTN_BACKENDS without importing torch: the same names."""
+    from gapless.config import ATTN_BACKENDS
+    from gapless.kernels.attention import backend_names
+
+    assert sorted(ATTN_BACKENDS) == backend_names()

@@ -78,15 +78,10 @@ def register_train(sub) -> None:
 
 
 def run_train(args) -> int:
-    from gapless.convert import check_run_paths, load_any
-    from gapless.diagnosis.doctor import startup_report
-    from gapless.diagnosis.environment import write_environment
-    from gapless.meter.timeline import process_start
-    from gapless.train.loop import train
-    from gapless.train.parallel import launched_by_torchrun
-    from gapless.train.runlock import output_dir_overrides
+    from gapless.convert import check_run_paths, load_any  # the config first, without torch: its weights' readahead
+    from gapless.readahead import read_ahead
+    from gapless.train.runlock import launched_by_torchrun, output_dir_overrides
 
-    started = process_start()
     for value, flag in ((args.gpu_gib, "--gpu-gib"), (args.tokens_per_s, "--tokens-per-s")):
         if value is not None and not value > 0:
             raise ValueError(f"{flag}: {value}; give a positive number")
@@ -98,6 +93,14 @@ def run_train(args) -> int:
     # a gapless, Axolotl or TRL YAML (gapless.convert); a bad config fails here, once, not in every rank
     cfg = load_any(args.config, overrides)
     check_run_paths(cfg)
+    if not args.dry_run:
+        read_ahead(cfg.model.path)  # the weights read from disk while torch is imported (gapless.readahead)
+    from gapless.diagnosis.doctor import startup_report
+    from gapless.diagnosis.environment import write_environment
+    from gapless.meter.timeline import process_start
+    from gapless.train.loop import train
+
+    started = process_start()  # from /proc: the process's start, whenever it is read
     cfg.check_output_dir()  # before environment.json is written into it
     if args.dry_run:
         from gapless.meter.memory import dry_run_report

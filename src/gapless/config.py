@@ -25,6 +25,9 @@ import yaml
 # Llama, Mistral, Qwen and Gemma alike). Kept here because the config sits below model/ and validates
 # lora.target_modules without building a model.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# model.attn_backend's values besides auto: gapless.kernels.attention's backends (its backend_names(), held equal by
+# tests/test_kernels_attention.py), named here so a config is checked without importing torch
+ATTN_BACKENDS = ("fa4_op", "flex", "sdpa", "varlen")
 
 
 # How a LoRA layer runs (gapless.kernels.lora, bench/RESULTS.md), each measured on the H200 in a compiled
@@ -574,12 +577,10 @@ class ModelConfig:
         if not self.path.strip():
             raise ValueError(f"{where}.path: empty; give the folder of an HF checkpoint (config.json + *.safetensors)")
         check_device(self.device, f"{where}.device")
-        from gapless.kernels.attention import backend_names
-
-        if self.attn_backend not in ["auto", *backend_names()]:
-            hint = difflib.get_close_matches(self.attn_backend, backend_names(), n=1)
+        if self.attn_backend not in ["auto", *ATTN_BACKENDS]:
+            hint = difflib.get_close_matches(self.attn_backend, ATTN_BACKENDS, n=1)
             raise ValueError(f"{where}.attn_backend: {self.attn_backend!r} is not one of "
-                             f"{['auto', *backend_names()]}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                             f"{['auto', *ATTN_BACKENDS]}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
 
 
 @dataclass

@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gapless.config import ParallelConfig
+from gapless.train.runlock import launched_by_torchrun
 
 # methods whose every parameter trains: `auto` shards them (their optimizer state alone is 12 bytes a parameter)
 FULL_METHODS = ("full",)
@@ -119,10 +120,6 @@ class Dist:
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def init_distributed(cfg: ParallelConfig, device: torch.device, method_name: str) -> tuple[Dist, torch.device]:
