@@ -29,11 +29,6 @@ from gapless.config import RunConfig, read_yaml, to_dict
 
 LOCK = ".lock"
 
-
-def launched_by_torchrun() -> bool:
-    """Whether torchrun started this process as a rank (here, not in train.parallel, so `gapless train` asks before
-    torch is imported)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 # Dotted config fields a resume may change: how long the run goes on, how often it logs, evaluates and saves, where
 # the metrics also go, and where or how fast it runs (attention backend and compile give the same numbers within
 # rounding). Everything else would mix two runs in one set of weights: the data, model, method, rank, alpha,
@@ -49,6 +44,12 @@ INTERCHANGEABLE = {"lora.kernel": {"concat", "concat_b", "grouped"}}
 # fields whose "auto" resolves, on resume, to the number the run's config.yaml holds (loop.auto_tokens_per_batch):
 # the config.yaml of a run started with auto records the number the batch finder chose
 AUTO_ON_RESUME = ("data.tokens_per_batch",)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process as a rank (here, not in train.parallel, so `gapless train` asks before
+    torch is imported)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 class RunLock:
