@@ -90,23 +90,14 @@ def test_lora_dropout_masks_by_hand():
     assert est.allocated_gib == pytest.approx(56.79, rel=0.05)
 
 
-@pytest.mark.parametrize("save_mask", [True, False])
-def test_lora_dropout_fused_keeps_bits_or_no_masks(monkeypatch, save_mask):
-    """Fused LoRA dropout (method lora on CUDA with triton, gapless.kernels.lora_dropout) keeps the mask as bits
-    (SAVE_MASK: 1 B per 8 features of each mask) or none (drawn again from its seed); QLoRA's layers keep the torch
-    path and their bool masks."""
-    from gapless.kernels import lora_dropout
-
-    monkeypatch.setattr(lora_dropout, "SAVE_MASK", save_mask)
-
+def test_lora_dropout_fused_keeps_no_masks():
+    """Fused LoRA dropout (method lora on CUDA with triton, gapless.kernels.lora_dropout) keeps a seed, not a mask;
+    QLoRA's layers keep the torch path and their masks."""
     def activations(method, **kw):
         return _rows(estimate_memory(TINY, method, tokens=100, **kw))["activations"]
 
     off = activations("lora")
-    bits = dropout_mask_bytes(TINY, bits=True)
-    assert bits == 8 + 8 + 8 + 16  # TINY: 64, 64, 64 and 128 features
-    assert activations("lora", lora_dropout=0.05, lora_dropout_fused=True) - off == \
-        pytest.approx(100 * 2 * bits if save_mask else 0)
+    assert activations("lora", lora_dropout=0.05, lora_dropout_fused=True) == off
     assert activations("lora", lora_dropout=0.05) - off == pytest.approx(100 * 2 * 320)
     assert activations("qlora", lora_dropout=0.05, lora_dropout_fused=True) - activations("qlora") == \
         pytest.approx(100 * 2 * 320)

@@ -1,5 +1,5 @@
-"""LoRA's A matmul under dropout, fused: xa = dropout(x) A^T and its gradients without dropout(x) ever in memory and
-the mask kept as bits.
+"""LoRA's A matmul under dropout, fused: xa = dropout(x) A^T and its gradients without dropout(x) or its mask ever in
+memory.
 
     xa = (keep * x / (1 - p)) A^T        x [N, in], A [R, in] (a group's A matrices stacked, R = their summed ranks)
     dA = dxa^T (keep * x) / (1 - p)      dx_lora = keep * (dxa A) / (1 - p)
@@ -9,12 +9,9 @@ the A matmul and saves a bool mask per LoRA input for backward: one [N, in] mask
 lone projection (o_proj, down_proj), 17,408 B per token per Llama-3.2-3B layer, ~285M elements per layer at 16,384
 tokens. On the H200 that cost 4.7% of the step (31,615 against 33,182 real tokens/s) and 10 GiB of peak (56.8
 against 46.8 GiB; issue 18). Here one Triton kernel reads x and A and applies the mask in registers (forward), and
-one kernel gives dA (float32 partials over splits of N, summed) and dx_lora together (backward): x is read once
-each way and dropout(x) is never written. The mask is drawn in the forward; with SAVE_MASK the forward also writes
-it as bits (1 bit per element of x: 2,176 B per token per Llama-3.2-3B layer, 1/8 of the bool masks) and the
-backward reads them, else the backward draws it again from the same seed. Drawing costs integer work (a Philox-4x32
-draw per 8 elements): bench/dropout_gpu.py times the backward both ways. Saved besides: x (which the A gradient
-needs anyway) and an 8-byte seed.
+one kernel draws the mask again from the same seed and gives dA (float32 partials over splits of N, summed) and
+dx_lora together (backward): x is read once each way, the mask and dropout(x) are never written, and only x (which
+the A gradient needs anyway) and an 8-byte seed are saved.
 
 How the masks are drawn: each forward in training draws a seed, one int64 in [0, 2^62) from torch's generator on
 x's device (torch.randint: no host sync; under torch.compile and CUDA graphs it is an ordinary device op), saved for
@@ -22,19 +19,19 @@ backward. Element (n, k) of x viewed as [N, in] is kept iff a 16-bit draw u(n, k
 is 16-bit half k % 2 (low half first) of 32-bit word (k % 8) // 2 of Philox-4x32-10 keyed by the seed at counter
 n * ceil(in / 8) + k // 8 (Triton's tl.randint4x; lora_dropout_triton.keep_block). So the keep probability is
 1 - round(p * 2^16) / 2^16 (0.05: 0.949997, 3e-6 from 1 - p) and kept elements are scaled by exactly 1 / (1 - p), as
-nn.Dropout does; one Philox draw serves 8 elements, and its 8 keep flags are one byte of the saved bits (bit j:
-column 8 w + j; lora_dropout_triton.pack_keep). Masks are per group, as the torch path draws them: the projections
-that read the same x share one mask (PEFT draws one per projection: the same distribution per element and the same
-expected update, a different sample). torch's own dropout draws from its generator differently, so the two paths
-keep different elements for the same torch seed; each is reproducible under torch.manual_seed. With activation
+nn.Dropout does; one Philox draw serves 8 elements, because the mask is drawn twice (forward and backward) where
+torch draws it once and stores it. Masks are per group, as the torch path draws them: the projections that read the
+same x share one mask (PEFT draws one per projection: the same distribution per element and the same expected
+update, a different sample). torch's own dropout draws from its generator differently, so the two paths keep
+different elements for the same torch seed; each is reproducible under torch.manual_seed. With activation
 checkpointing the recomputed forward draws the same seed (checkpoint restores the generator's state).
 
 Where it runs: for a FusedDropout (what LoraLinear holds under lora.fused_dropout: true, the default) in training,
 on CUDA tensors with triton importable and torch >= 2.6 (torch.library.triton_op, so torch.compile traces the
 kernels into its graph with no graph break); the kernels also run on CPU tensors under TRITON_INTERPRET=1 (the
 tests). gapless.kernels.lora decides (fused_dropout_applies); everything else keeps the torch path. Measured on one
-H100 (Llama-3.2-3B, `default`, 16,384 tokens, run s11-default2, the mask drawn twice): dropout 0.05 fused 32,419
-real tokens/s at 46.9 GiB, the torch path 31,534 at 56.9 GiB, no dropout 33,122 at 46.9 GiB (-2.1% against -4.8%).
+H100 (Llama-3.2-3B, `default`, 16,384 tokens, run s11-default2): dropout 0.05 fused 32,419 real tokens/s at 46.9
+GiB, the torch path 31,534 at 56.9 GiB, no dropout 33,122 at 46.9 GiB (-2.1% against -4.8%).
 """
 from __future__ import annotations
 
@@ -61,9 +58,6 @@ BWD_WARPS = 4
 # the backward's grid: ceil(in / BWD_BLOCK_K) column blocks x enough splits of N for about this many programs (~4
 # per SM on 132 SMs); each split writes an [R, in] float32 partial of dA, ~0.6 MB per split for R = 48, in = 3072
 BACKWARD_PROGRAMS = 512
-# the forward writes the mask as bits and the backward reads them (module docstring); False: the backward draws the
-# mask again from the seed
-SAVE_MASK = True
 
 
 class FusedDropout(nn.Dropout):
@@ -97,8 +91,7 @@ def lora_dropout_a(x: Tensor, lora_as: list[Tensor], p: float) -> Tensor:
     back from float32 sums in that dtype."""
     a = lora_as[0] if len(lora_as) == 1 else torch.cat(list(lora_as))  # [R, in]
     seed = draw_seed(x.device)
-    xa, _ = torch.ops.gapless.lora_dropout_xa(x.reshape(-1, x.shape[-1]), a, seed, p, SAVE_MASK)
-    return xa.view(*x.shape[:-1], -1)
+    return torch.ops.gapless.lora_dropout_xa(x.reshape(-1, x.shape[-1]), a, seed, p).view(*x.shape[:-1], -1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -123,45 +116,42 @@ if FUSED_DROPOUT:
     from gapless.kernels import lora_dropout_triton as kernels
 
     @triton_op("gapless::lora_dropout_xa", mutates_args=())
-    def lora_dropout_xa(x: Tensor, a: Tensor, seed: Tensor, p: float, save_mask: bool) -> tuple[Tensor, Tensor]:
-        """(xa [N, R] = (keep * x / (1 - p)) A^T, the mask's bits [N, ceil(in / 8)] uint8 or, without save_mask, an
-        empty tensor) for x [N, in], A [R, in], the mask drawn from seed [1] (int64)."""
+    def lora_dropout_xa(x: Tensor, a: Tensor, seed: Tensor, p: float) -> Tensor:
+        """xa [N, R] = (keep * x / (1 - p)) A^T for x [N, in], A [R, in], the mask drawn from seed [1] (int64)."""
         x = x.contiguous()
         a = a.contiguous()
         (n, k), r = x.shape, a.shape[0]
         out = x.new_empty(n, r)
-        mask = x.new_empty((n, _cdiv(k, 8)) if save_mask else (0,), dtype=torch.uint8)
         wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M),)](
-            x, a, out, mask, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M,
-            BLOCK_K=FWD_BLOCK_K, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
-            SAVE_MASK=save_mask, num_warps=FWD_WARPS)
-        return out, mask
+            x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M, BLOCK_K=FWD_BLOCK_K,
+            BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
+            num_warps=FWD_WARPS)
+        return out
 
     @triton_op("gapless::lora_dropout_xa_backward", mutates_args=())
-    def lora_dropout_xa_backward(dxa: Tensor, x: Tensor, a: Tensor, seed: Tensor, mask: Tensor, p: float,
+    def lora_dropout_xa_backward(dxa: Tensor, x: Tensor, a: Tensor, seed: Tensor, p: float,
                                  need_dx: bool) -> tuple[Tensor, Tensor]:
         """(dx_lora [N, in] in x's dtype, or an empty tensor without need_dx; dA [R, in] in A's dtype) for
-        lora_dropout_xa, the mask read from its bits or, where `mask` is empty, drawn again from the same seed."""
+        lora_dropout_xa, the mask drawn again from the same seed."""
         dxa, x, a = dxa.contiguous(), x.contiguous(), a.contiguous()
         (n, k), r = x.shape, a.shape[0]
         splits, rows_per_split = _backward_splits(n, k)
         dx = torch.empty_like(x) if need_dx else x.new_empty(0)
         partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
         wrap_triton(kernels.dropout_xa_backward_kernel)[(_cdiv(k, BWD_BLOCK_K), splits)](
-            x, a, dxa, dx, partials, mask, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
+            x, a, dxa, dx, partials, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
             BLOCK_M=BWD_BLOCK_M, BLOCK_K=BWD_BLOCK_K, BLOCK_R=_block_r(r), NEED_DX=need_dx,
-            IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS, LOAD_MASK=mask.numel() > 0,
-            num_warps=BWD_WARPS)
+            IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS, num_warps=BWD_WARPS)
         return dx, partials.sum(0).to(a.dtype)
 
     def _setup_context(ctx, inputs, output):
-        x, a, seed, p, _ = inputs
-        ctx.save_for_backward(x, a, seed, output[1])
+        x, a, seed, p = inputs
+        ctx.save_for_backward(x, a, seed)
         ctx.p = p
 
-    def _backward(ctx, dxa, _):
-        x, a, seed, mask = ctx.saved_tensors
-        dx, da = lora_dropout_xa_backward(dxa, x, a, seed, mask, ctx.p, ctx.needs_input_grad[0])
-        return (dx if ctx.needs_input_grad[0] else None, da if ctx.needs_input_grad[1] else None, None, None, None)
+    def _backward(ctx, dxa):
+        x, a, seed = ctx.saved_tensors
+        dx, da = lora_dropout_xa_backward(dxa, x, a, seed, ctx.p, ctx.needs_input_grad[0])
+        return (dx if ctx.needs_input_grad[0] else None, da if ctx.needs_input_grad[1] else None, None, None)
 
     lora_dropout_xa.register_autograd(_backward, setup_context=_setup_context)

@@ -3,8 +3,7 @@ registers, forward and backward. Imported only where triton imports (gapless.ker
 and how the mask is drawn: keep_block is that rule, written once for both kernels).
 
 Shapes: x [N, K] and dx [N, K] row-major in the compute dtype, A [R, K] in any float dtype (cast to x's dtype in
-registers, as F.linear(x, A.to(x.dtype)) would), xa and dxa [N, R] row-major, dA partials [S, R, K] float32, the
-saved mask [N, ceil(K / 8)] uint8 (pack_keep: one byte per Philox draw's 8 columns).
+registers, as F.linear(x, A.to(x.dtype)) would), xa and dxa [N, R] row-major, dA partials [S, R, K] float32.
 BLOCK_K must be a multiple of 8 (one Philox draw covers 8 consecutive columns of a row) and BLOCK_R a power of two
 >= 16 (tl.dot's smallest tile), rows R..BLOCK_R masked to zero.
 """
@@ -38,27 +37,10 @@ def keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def pack_keep(keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """keep [BLOCK_M, BLOCK_K] as bytes [BLOCK_M, BLOCK_K / 8]: bit j of byte w is column 8 w + j, so a byte holds
-    the 8 columns of one Philox draw."""
-    bits = tl.reshape(keep.to(tl.int32), (BLOCK_M, BLOCK_K // 8, 8)) << tl.arange(0, 8)[None, None, :]
-    return tl.sum(bits, axis=2).to(tl.uint8)
-
-
-@triton.jit
-def unpack_keep(packed, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """pack_keep's bytes [BLOCK_M, BLOCK_K / 8] back to the mask [BLOCK_M, BLOCK_K]."""
-    bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-    return tl.reshape(bits, (BLOCK_M, BLOCK_K)) != 0
-
-
-@triton.jit
-def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, mask_ptr, seed_ptr, N, K, R, threshold, scale, BLOCK_M: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr,
-                      SAVE_MASK: tl.constexpr):
-    """xa [N, R] = (keep * x / (1 - p)) A^T for one block of BLOCK_M rows: x is read once and 1 / (1 - p) (`scale`)
-    is applied to the float32 sum. With SAVE_MASK the mask is written as bits (pack_keep) for the backward, else it
-    never leaves registers."""
+def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, threshold, scale, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr):
+    """xa [N, R] = (keep * x / (1 - p)) A^T for one block of BLOCK_M rows: x is read once, the mask never leaves
+    registers, and 1 / (1 - p) (`scale`) is applied to the float32 sum."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rs = tl.arange(0, BLOCK_R)
     seed = tl.load(seed_ptr)
@@ -69,10 +51,6 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, mask_ptr, seed_ptr, N, K, R, thresh
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                     other=0.0)
         keep = keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
-        if SAVE_MASK:
-            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            tl.store(mask_ptr + rows[:, None] * words_per_row + words[None, :], pack_keep(keep, BLOCK_M, BLOCK_K),
-                     mask=(rows[:, None] < N) & (words[None, :] < words_per_row))
         x = tl.where(keep, x, tl.zeros_like(x))
         a = tl.load(a_ptr + rs[None, :] * K + cols[:, None], mask=(rs[None, :] < R) & (cols[:, None] < K),
                     other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_R], A^T
@@ -85,14 +63,13 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, mask_ptr, seed_ptr, N, K, R, thresh
 
 
 @triton.jit
-def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, mask_ptr, seed_ptr, N, K, R, rows_per_split,
-                               threshold, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                               NEED_DX: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr,
-                               LOAD_MASK: tl.constexpr):
+def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, N, K, R, rows_per_split, threshold,
+                               scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                               NEED_DX: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr):
     """For columns block program_id(0) and rows split program_id(1) (rows_per_split rows, a multiple of BLOCK_M):
     the split's partial dA [R, BLOCK_K] = dxa^T (keep * x) / (1 - p) into da_ptr[split] (float32), and, with
-    NEED_DX, dx = keep * (dxa A) / (1 - p) for the same rows and columns. One mask serves both: x is read once and
-    the mask read from the forward's bits (LOAD_MASK) or drawn again from the seed, once for the whole backward."""
+    NEED_DX, dx = keep * (dxa A) / (1 - p) for the same rows and columns. One mask draw serves both: x and the mask
+    are read and drawn once for the whole backward."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)
@@ -107,14 +84,8 @@ def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, mask_ptr, 
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ok = (rows[:, None] < N) & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=ok, other=0.0)
-        if LOAD_MASK:
-            words = tl.program_id(0) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(mask_ptr + rows[:, None] * words_per_row + words[None, :],
-                             mask=(rows[:, None] < N) & (words[None, :] < words_per_row), other=0)
-            keep = unpack_keep(packed, BLOCK_M, BLOCK_K)
-        else:
-            keep = keep_block(seed, rows, tl.program_id(0) * BLOCK_K, words_per_row, threshold, BLOCK_M, BLOCK_K,
-                              N_ROUNDS)
+        keep = keep_block(seed, rows, tl.program_id(0) * BLOCK_K, words_per_row, threshold, BLOCK_M, BLOCK_K,
+                          N_ROUNDS)
         dxa = tl.load(dxa_ptr + rows[:, None] * R + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < R),
                       other=0.0)  # [BLOCK_M, BLOCK_R]
         x = tl.where(keep, x, tl.zeros_like(x))

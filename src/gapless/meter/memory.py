@@ -9,8 +9,7 @@
          + activations                                N tokens x L layers x (A x hidden + B x intermediate) bytes,
                                                       scaled by the dtype's size / 2
          + LoRA dropout masks                         lora.dropout > 0: 1 B (a bool) per input feature of each
-                                                      dropout mask, per token per layer (dropout_mask_bytes); fused,
-                                                      1 bit (kernels/lora_dropout.py SAVE_MASK)
+                                                      dropout mask, per token per layer (dropout_mask_bytes)
          + the loss's working set                     chunk x vocab x 6 B (bf16 logits + fp32 softmax/gradient of
                                                       one chunk; kernels/loss.py) + the final hidden states N x hidden
          + QLoRA's dequantised weights                one layer's projections in the compute dtype (transient)
@@ -44,10 +43,9 @@ o_proj's and down_proj's each their own. Counted, not fitted: on the CPU (bfloat
 bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and [N, 8192], one mask fewer
 than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this predicts as 54.19 (-4.6%),
 where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs fused (method lora on a CUDA
-device with triton: gapless.kernels.lora_dropout draws the mask in its forward kernel from an 8-byte seed and saves
-x, which the A gradient keeps anyway) the mask is kept as bits, 1/8 of the bool masks, where that module's
-SAVE_MASK is set, else drawn again in the backward and not kept (lora_dropout_fused); QLoRA's layers keep the torch
-path and their masks.
+device with triton: gapless.kernels.lora_dropout draws the mask in its kernels from an 8-byte seed, forward and
+backward, and saves only x, which the A gradient keeps anyway) no mask is kept and none is counted
+(lora_dropout_fused); QLoRA's layers keep the torch path and their masks.
 """
 from __future__ import annotations
 
@@ -55,7 +53,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gapless.config import ALL_LINEAR
-from gapless.kernels import lora_dropout as dropout_kernels
 from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE
 from gapless.model.decoder import ModelArgs
 
@@ -126,9 +123,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     state by `shards`, and all-gathers whole layers only while they compute: one layer's parameters in the compute
     dtype for the layer running and one for the layer prefetched (FSDP2's default prefetch of one). Activations and
     the loss are per micro-batch: `tokens` is this GPU's micro-batch (the global batch / GPUs), not sharded.
-    lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full, and for
-    method lora when lora_dropout_fused the fused kernels' bits, or none where they draw the mask twice (module
-    docstring).
+    lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full, and none for
+    method lora when lora_dropout_fused (the fused kernels keep a seed, not a mask: module docstring).
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {list(METHODS)}")
@@ -166,11 +162,8 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     layer = (ACT_BYTES_PER_HIDDEN * D + ACT_BYTES_PER_INTERMEDIATE * args.intermediate_size) * e / 2
     if not compiled:
         layer *= EAGER_ACTIVATION_FACTOR
-    masks = 0
-    if lora_dropout > 0 and method != "full":
-        fused = method == "lora" and lora_dropout_fused
-        masks = dropout_mask_bytes(args, lora_targets, lora_kernel, bits=fused) \
-            if not fused or dropout_kernels.SAVE_MASK else 0
+    keeps_masks = lora_dropout > 0 and (method == "qlora" or method == "lora" and not lora_dropout_fused)
+    masks = dropout_mask_bytes(args, lora_targets, lora_kernel) if keeps_masks else 0
     layer += masks
     checkpointed = len(range(0, L, activation_checkpointing)) if activation_checkpointing else 0
     act_per_token = (L - checkpointed) * layer + checkpointed * D * e + (layer if checkpointed else 0)
@@ -202,19 +195,16 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     return MemoryEstimate(rows, fixed_bytes=total - tokens * per_token, per_token_bytes=per_token, tokens=tokens)
 
 
-def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat_b",
-                       bits: bool = False) -> int:
-    """Bytes per token per layer of the masks LoRA dropout keeps for backward: one byte (a bool) per input feature of
-    each mask drawn, or with `bits` (the fused kernels' saved mask) ceil(features / 8). grouped (and concat_b, which
-    draws grouped's masks, and concat, which runs concat_b with dropout): the targeted projections that read the same
-    input share one mask (q/k/v; gate/up); reference: one mask per targeted projection."""
+def dropout_mask_bytes(args: ModelArgs, targets: Sequence[str] = ALL_LINEAR, kernel: str = "concat_b") -> int:
+    """Bytes per token per layer of the bool masks LoRA dropout keeps for backward: one byte per input feature of
+    each mask drawn. grouped (and concat_b, which draws grouped's masks, and concat, which runs concat_b with
+    dropout): the targeted projections that read the same input share one mask (q/k/v; gate/up); reference: one mask
+    per targeted projection."""
     shapes = projection_shapes(args)
     if kernel == "reference":
-        features = [shapes[name][0] for name in targets]
-    else:
-        groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)]
-        features = [shapes[g[0]][0] for g in groups if any(name in targets for name in g)]
-    return sum(-(-f // 8) if bits else f for f in features)
+        return sum(shapes[name][0] for name in targets)
+    groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)]
+    return sum(shapes[g[0]][0] for g in groups if any(name in targets for name in g))
 
 
 def max_tokens(args: ModelArgs, method: str, budget_gib: float, **kwargs) -> int:
