@@ -29,9 +29,9 @@
 #                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
 #                                  Llama-3.1-8B (TOKENS_8B: 16,384
 #                                  over 100 GiB, else 8,192) and Llama-3.2-1B (DEFAULT_CONFIGS=none: only those two)
-#   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py; PROFILE_CONFIGS
-#                                  picks others, PROFILE_MODEL another model), on a machine where flash-attn-4 is
-#                                  installed (a `default` call before)
+#   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py;
+#                                  PROFILE_CONFIGS picks others, PROFILE_MODEL another model), on a machine where
+#                                  flash-attn-4 is installed (a `default` call before)
 #   bash bench/run_gpu.sh dropout  bench/dropout_gpu.py --apply (the fused dropout kernels tuned, the fastest 10-round
 #                                  blocks and warps written into this machine's copy), then `default` and
 #                                  `default_dropout` side by side (AB_CONFIGS picks others; none: the tuning alone,

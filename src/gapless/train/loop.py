@@ -817,8 +817,9 @@ def train(cfg: RunConfig, *, stop_after: int | None = None, out=None, data=None,
 
 def startup_record(run: Run, step: int, first_step_s: float) -> dict:
     """{"kind": "startup"}: the seconds from the run's clock start to the end of its first step, by part
-    (StartupParts; with the seconds that ran beside them, "overlapped"), of which torch.compile's (its cache hits and misses, compile.cache_counts, and its longest phases,
-    compile.compile_phases); and the peak memory so far (the GPU's allocated bytes, the host's resident set), in GiB."""
+    (StartupParts; with the seconds that ran beside them, "overlapped"), of which torch.compile's (its cache hits
+    and misses, compile.cache_counts, and its longest phases, compile.compile_phases); and the peak memory so far
+    (the GPU's allocated bytes, the host's resident set), in GiB."""
     import resource
 
     cuda = run.device.type == "cuda"
