@@ -42,10 +42,10 @@ dropout) one mask over the hidden size for q/k/v and one for gate/up, with refer
 o_proj's and down_proj's each their own. Counted, not fitted: on the CPU (bfloat16, compiled, one Llama-3.2-3B
 layer, /tmp script over bench/saved_bytes.py's hook) dropout added exactly three bool tensors, [N, 3072] x 2 and
 [N, 8192], one mask fewer than this counts; on the H200 the 3B best_dropout row measured 56.79 GiB, which this
-predicts as 54.19 (-4.6%), where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs fused (method lora on a CUDA
-device with triton: gapless.kernels.lora_dropout draws the mask in its kernels from an 8-byte seed, forward and
-backward, and saves only x, which the A gradient keeps anyway) no mask is kept and none is counted
-(lora_dropout_fused); QLoRA's layers keep the torch path and their masks.
+predicts as 54.19 (-4.6%), where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs
+fused (method lora on a CUDA device with triton: gapless.kernels.lora_dropout draws the mask in its kernels from an
+8-byte seed, forward and backward, and saves only x, which the A gradient keeps anyway) no mask is kept and none is
+counted (lora_dropout_fused); QLoRA's layers keep the torch path and their masks.
 """
 from __future__ import annotations
 
