@@ -9,12 +9,13 @@ Shapes, each once per layer (so each weighs 1 in the sums): q/k/v (in 3072, R = 
 (3072, 16), down_proj (8192, 16); x bf16 (float32 under the interpreter, which multiplies bf16's raw bits), A
 float32 [R, in], the backward with dx (NEED_DX), p = 0.05.
 
-Variants: N_ROUNDS 10, 7 x BLOCK_M 32, 64, 128 x BLOCK_K 64, 128 x num_warps 4, 8 (24 forward), and for the
-backward also the programs target 256, 512, 1024 (72; splits as lora_dropout._backward_splits, here per variant).
-None is pruned: the 48 compiles per kernel and BLOCK_R (programs only change the grid) run first in a pool of
-processes, one per core, that fill Triton's on-disk cache, and the timing pass loads them. A variant that fails to
-compile or run is recorded with the first line of its error. Times are triton.testing.do_bench medians, 5 ms warm-up
-and 20 ms of repetitions, L2 flushed before each call (x, 96-256 MiB, is never in the 50 MiB L2 in a step either).
+Variants: N_ROUNDS 10, 7 x BLOCK_M 32, 64, 128 x BLOCK_K 64, 128, 256 x num_warps 4, 8 (36 forward), and for
+the backward also the programs target 256, 512, 1024 (108; splits as lora_dropout._backward_splits, here per
+variant). None is pruned: the 72 compiles per kernel and BLOCK_R (programs only change the grid) run first in a
+pool of processes, one per core, that fill Triton's on-disk cache, and the timing pass loads them. A variant that
+fails to compile or run is recorded with the first line of its error. Times are triton.testing.do_bench medians, 5 ms
+warm-up and 20 ms of repetitions, L2 flushed before each call (x, 96-256 MiB, is never in the 50 MiB L2 in a step
+either).
 
 Checks, every variant against the current defaults (lora_dropout's FWD_*, BWD_*, BACKWARD_PROGRAMS and
 lora_dropout_triton.PHILOX_ROUNDS), same seed:
@@ -73,7 +74,8 @@ SHAPES = [("q/k/v", 3072, 48), ("gate/up", 3072, 32), ("o_proj", 3072, 16), ("do
 # smoke: N = 100 and `in` not multiples of the blocks (masked edges), programs scaled down with N (the interpreter
 # runs programs one after another)
 SMOKE_SHAPES = [("q/k/v", 80, 48), ("gate/up", 80, 32), ("o_proj", 80, 16), ("down_proj", 136, 16)]
-ROUNDS, BLOCKS_M, BLOCKS_K, WARPS = (10, 7), (32, 64, 128), (64, 128), (4, 8)
+# BLOCK_K 256: the backward re-reads dxa [N, R] once per column block (48 at 64 for in 3072), a quarter as often
+ROUNDS, BLOCKS_M, BLOCKS_K, WARPS = (10, 7), (32, 64, 128), (64, 128, 256), (4, 8)
 PROGRAMS, SMOKE_PROGRAMS = (256, 512, 1024), (2, 4, 8)
 TOL = 1e-2  # bf16
 MAX_SD = 6
