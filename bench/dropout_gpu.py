@@ -30,11 +30,12 @@ Floor: x @ A^T as a bf16 cuBLAS matmul, and torch.empty_like(x).copy_(x) (x read
 forward's summed time over half the copy's (x read once) and a backward's over the whole copy's (x read, dx
 written): how far each kernel is from the traffic it cannot avoid.
 
-For information only: what the mask alone costs, and whether unpacking it another way pays. keep_block_join is
-keep_block with the four Philox words unpacked by tl.join/tl.reshape instead of the tl.where chain, checked bit for
-bit against kernels.keep_block's mask at both rounds; mask_cost_kernel draws the mask of each shape as the forward
-kernel walks it (the default forward blocks and warps) and only counts the kept elements, without reading x, with
-either unpacking: its time beside the forward kernel's says how much of that is the mask.
+For information only: what the mask alone costs, and what unpacking it by joins saved. keep_block_where is
+kernels.keep_block with the four Philox words unpacked by a tl.where chain (the kernels' way until session 19) instead
+of tl.join/tl.reshape, checked bit for bit against kernels.keep_block's mask at both rounds; mask_cost_kernel draws
+the mask of each shape as the forward kernel walks it (the default forward blocks and warps) and only counts the
+kept elements, without reading x, with either unpacking: its time beside the forward kernel's says how much of that
+is the mask.
 
 --apply (after timing) rewrites FWD_BLOCK_M, FWD_BLOCK_K, FWD_WARPS, BWD_BLOCK_M, BWD_BLOCK_K, BWD_WARPS and
 BACKWARD_PROGRAMS in src/gapless/kernels/lora_dropout.py to the fastest checked configurations at PHILOX_ROUNDS
@@ -82,35 +83,36 @@ MAX_SD = 6
 
 
 # ---------------------------------------------------------------------------------------------
-# For information: the Philox words unpacked with tl.join / tl.reshape
+# For information: the Philox words unpacked with a tl.where chain (kernels.keep_block unpacks them by joins)
 
 
 @triton.jit
-def keep_block_join(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    N_ROUNDS: tl.constexpr):
-    """kernels.keep_block's mask, the 16-bit halves laid out by joins instead of a tl.where per word."""
+def keep_block_where(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     N_ROUNDS: tl.constexpr):
+    """kernels.keep_block's mask, the 16-bit halves picked by a tl.where per word instead of laid out by joins."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     counter = rows[:, None] * words_per_row + words[None, :]  # [BLOCK_M, BLOCK_K / 8], int64
     r0, r1, r2, r3 = tl.randint4x(seed, counter, N_ROUNDS)
-    # join(join(r0, r2), join(r1, r3)) [BLOCK_M, BLOCK_K / 8, 2, 2]: element [.., i, j] is word 2 i + j, so the
-    # last two dims flatten to r0 r1 r2 r3
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_K // 8, 4))
-    bits = tl.join(r & 0xFFFF, r >> 16)  # [BLOCK_M, BLOCK_K / 8, 4, 2], low half first
+    lane = tl.arange(0, 8)[None, None, :]  # the column within the 8 a draw covers
+    word = lane // 2
+    r = tl.where(word == 0, r0[:, :, None], tl.where(word == 1, r1[:, :, None],
+                                                     tl.where(word == 2, r2[:, :, None], r3[:, :, None])))
+    bits = (r >> ((lane % 2) * 16).to(tl.uint32)) & 0xFFFF  # [BLOCK_M, BLOCK_K / 8, 8]
     return tl.reshape(bits.to(tl.int32), (BLOCK_M, BLOCK_K)) >= threshold
 
 
 @triton.jit
 def keep_masks_kernel(where_ptr, join_ptr, seed_ptr, N, K, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       N_ROUNDS: tl.constexpr):
-    """Both masks [N, K] (int8) of a seed: kernels.keep_block's and keep_block_join's."""
+    """Both masks [N, K] (int8) of a seed: keep_block_where's and kernels.keep_block's (joins)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     seed = tl.load(seed_ptr)
     ok = (rows[:, None] < N) & (cols[None, :] < K)
     offsets = rows[:, None] * K + cols[None, :]
-    where = kernels.keep_block(seed, rows, k0, tl.cdiv(K, 8), threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
-    join = keep_block_join(seed, rows, k0, tl.cdiv(K, 8), threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
+    where = keep_block_where(seed, rows, k0, tl.cdiv(K, 8), threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
+    join = kernels.keep_block(seed, rows, k0, tl.cdiv(K, 8), threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
     tl.store(where_ptr + offsets, where.to(tl.int8), mask=ok)
     tl.store(join_ptr + offsets, join.to(tl.int8), mask=ok)
 
@@ -119,16 +121,16 @@ def keep_masks_kernel(where_ptr, join_ptr, seed_ptr, N, K, threshold, BLOCK_M: t
 def mask_cost_kernel(count_ptr, seed_ptr, N, K, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_ROUNDS: tl.constexpr, JOIN: tl.constexpr):
     """The kept count [N] of each row of the mask, drawn BLOCK_K columns at a time as dropout_xa_kernel draws it,
-    with keep_block_join (JOIN) or kernels.keep_block: the mask's cost without x."""
+    with kernels.keep_block (JOIN) or keep_block_where: the mask's cost without x."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     seed = tl.load(seed_ptr)
     words_per_row = tl.cdiv(K, 8)
     count = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         if JOIN:
-            keep = keep_block_join(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
-        else:
             keep = kernels.keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
+        else:
+            keep = keep_block_where(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
         cols = k0 + tl.arange(0, BLOCK_K)
         count += tl.sum((keep & (cols[None, :] < K)).to(tl.int32), axis=1)
     tl.store(count_ptr + rows, count, mask=rows < N)
@@ -350,7 +352,7 @@ def check_library(shape: Shape) -> bool:
 
 
 def check_join_mask(device, p: float, n: int, k: int) -> bool:
-    """keep_block_join's mask equals kernels.keep_block's bit for bit, at both rounds."""
+    """keep_block_where's mask equals kernels.keep_block's bit for bit, at both rounds."""
     seed = torch.tensor([77], dtype=torch.int64, device=device)
     same = True
     for rounds in ROUNDS:
@@ -527,7 +529,7 @@ def main(argv=None) -> int:
             rows.append(dict(kernel=f"best_{kernel}", **b["variant"], sum_ms=b["sum"],
                              default_sum_ms=was["sum"]))
 
-    print(f"\nkeep_block_join's mask {'equals' if join_equal else 'DIFFERS from'} keep_block's (both rounds)")
+    print(f"\nkeep_block_where's mask {'equals' if join_equal else 'DIFFERS from'} keep_block's (both rounds)")
     v = default["forward"]
     total = dict(where=0.0, join=0.0, forward=0.0)
     for shape_name, k, r in shapes:

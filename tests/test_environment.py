@@ -4,7 +4,7 @@ import json
 import yaml
 
 from gapless.cli import main
-from gapless.diagnosis.environment import (compare_runs, differences, env_vars, environment_record,
+from gapless.diagnosis.environment import (compare_runs, differences, env_vars, environment_record, kernel_imports,
                                            write_environment)
 
 
@@ -48,3 +48,27 @@ def test_compare_two_runs(tmp_path, capsys):
     assert "environment: 1 differences" in out and "packages.torch" in out and "optim.lr" in out
     (tmp_path / "b" / "environment.json").unlink()
     assert "missing" in compare_runs(tmp_path / "a", tmp_path / "b")["environment"]
+
+
+def test_kernel_probe_imports_flash_attn_4_with_its_disk_cache_on(monkeypatch, tmp_path):
+    """flash-attn-4 reads FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED once, when imported; `gapless train` probes the
+    kernels (environment.json) before the attention backend is built, so the probe itself must turn the cache on
+    (run s19-startup: it did not, and every warm start-up recompiled flash-attn-4's kernels). A stand-in package
+    records what it saw at import."""
+    import sys
+
+    package = tmp_path / "flash_attn" / "cute"
+    package.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(
+        "import os\nSEEN = os.environ.get('FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED')\n")
+    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert kernel_imports(probe=True)["flash-attn-4"] == "ok"
+    assert sys.modules["flash_attn.cute"].SEEN == "1"
+    for name in ("flash_attn", "flash_attn.cute"):  # the stand-in leaves with the test
+        sys.modules.pop(name, None)
