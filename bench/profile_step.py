@@ -8,6 +8,8 @@ Kernel kinds, by name (the names cuBLAS, CUTLASS, triton and torch give their ke
     gemm        nvjet*/sm90_xmma*/cutlass*/*gemm* (cuBLAS and CUTLASS matmuls)
     attention   *flash*/*fmha*/*attn* (varlen flash attention, FlexAttention's triton kernel, flash-attn-4)
     triton      triton_* (torch.compile's fused elementwise/reduction kernels)
+    gapless     gapless's own Triton kernels (kernels/lora_dropout_triton.py, kernels/loss.py): dropout_xa*,
+                cross_entropy_grad*
     elementwise *elementwise*/*vectorized*/*reduce* (eager torch kernels)
     optimizer   *multi_tensor*/*adam*/*foreach* (fused AdamW, grad-norm)
     copy        memcpy/memset/*copy*
@@ -34,7 +36,8 @@ from gapless.train.optim import build_optimizer
 from gapless.train.step import train_step
 
 KINDS = [("attention", r"flash|fmha|attn|flex"), ("gemm", r"nvjet|xmma|cutlass|gemm|sm90_|cublas"),
-         ("triton", r"^triton_"), ("optimizer", r"multi_tensor|adam|foreach"), ("copy", r"memcpy|memset|copy"),
+         ("triton", r"^triton_"), ("gapless", r"^(dropout_xa|cross_entropy_grad)"),
+         ("optimizer", r"multi_tensor|adam|foreach"), ("copy", r"memcpy|memset|copy"),
          ("elementwise", r"elementwise|vectorized|reduce|kernel")]
 
 
