@@ -47,10 +47,13 @@ def kernel_imports(probe: bool = True) -> dict[str, str]:
     """Which fast kernels import here: 'ok' or the import error's first line. probe=False only looks them up
     (bitsandbytes alone takes ~3.6 s to import on the 2-core dev box: too slow for every `gapless train`)."""
     out = {}
-    if probe:  # flash-attn-4 reads its disk-cache switch once, at import: the probe must not import it with the cache
-        from gapless.kernels.attention import fa4_disk_cache  # off (run s19-startup: `gapless train` wrote
+    if probe:
+        # flash-attn-4 reads its disk-cache switch once, when imported: turned on before this probe imports it
+        # (run s19-startup: `gapless train` writes environment.json first, and every warm start-up recompiled
+        # flash-attn-4's kernels, ~11 s of a 18.1 s start-up; 10.2 s with the cache, run s19-startup2)
+        from gapless.kernels.attention import fa4_disk_cache
 
-        fa4_disk_cache()  # environment.json first, and every warm start-up recompiled its kernels, ~11 s)
+        fa4_disk_cache()
     for name, module in KERNEL_MODULES.items():
         if not probe:
             found = importlib.util.find_spec(module.split(".")[0]) is not None
