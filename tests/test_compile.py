@@ -75,6 +75,38 @@ def test_compile_layers_keeps_inductor_caches_in_gaplesss_cache_folder(monkeypat
     assert use_compile_cache() == tmp_path
 
 
+@pytest.mark.parametrize("has_prefetch", [True, False])
+def test_compile_layers_starts_torchs_source_hash_in_the_background(monkeypatch, has_prefetch):
+    """compile_layers (before the weights load) starts inductor's torch_key: through its prefetch where torch has
+    one, else in a thread of its own; the layers are compiled lazily, so nothing else has run it yet."""
+    import threading
+
+    from torch._inductor import codecache
+
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+    from gapless.train.compile import compile_layers
+
+    ran = threading.Event()
+    started = []
+
+    def key():
+        started.append(threading.current_thread().name)
+        ran.set()
+        return b"key"
+
+    if has_prefetch:
+        key.prefetch = lambda: started.append("prefetch")
+    monkeypatch.setattr(codecache, "torch_key", key)
+    args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    compile_layers(CausalLM(args), backend="eager")
+    if has_prefetch:
+        assert started == ["prefetch"]
+    else:
+        assert ran.wait(10) and started == ["gapless-torch-key"]
+
+
 def test_cache_counts_tell_a_cold_compile_from_a_warm_one(monkeypatch, tmp_path):
     """The startup record's compile_caches: misses the first time a graph compiles into an empty cache folder, hits
     when the same graph compiles again (a second run, here after dynamo's reset)."""
