@@ -106,6 +106,9 @@ def test_clean_gpu_machine_has_no_serious_environment_finding(demo):
     (d.check_alloc_conf, {"env": {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.8"}},
      "env.alloc_conf", "warning"),
     (d.check_debug_vars, {"env": {"TORCH_COMPILE_DISABLE": "1"}}, "env.debug", "warning"),
+    (d.check_compile_caches, {"env": {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}}, "env.compile_caches", "warning"),
+    (d.check_compile_caches, {"env": {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0"}}, "env.compile_caches",
+     "warning"),
     (d.check_nccl_vars, {"env": {"NCCL_P2P_DISABLE": "1"}}, "env.nccl_var.NCCL_P2P_DISABLE", "warning"),
     (d.check_kernels, {"kernels.flash-attn-4": "ModuleNotFoundError: flash_attn"}, "env.kernel.flash-attn-4", "error"),
     (d.check_install, {"gapless.dirty": True}, "env.install", "info"),
@@ -476,3 +479,13 @@ def test_doctor_on_a_run_folder(demo, tmp_path, capsys, monkeypatch):
     (f,) = d.run_findings(tmp_path / "run")
     assert f.id == "run.input_bound" and f.severity == "warning" and "40%" in f.detail and f.fix == "prefetch more"
     assert main(["doctor", str(tmp_path)]) == 2  # a folder without config.yaml is the user's mistake
+
+
+def test_compile_caches_turned_on_explicitly_are_clean():
+    """The variables set to the values that keep a cache on are no finding; the message names what is off."""
+    on = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0",
+          "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
+    assert severities(d.check_compile_caches(gpu_env(env=on)))["env.compile_caches"] == "ok"
+    off = d.check_compile_caches(gpu_env(env={**on, "TORCH_COMPILE_FORCE_DISABLE_CACHES": "1"}))[0]
+    assert off.detail.startswith("TORCH_COMPILE_FORCE_DISABLE_CACHES=1") and off.fix.endswith(
+        "TORCH_COMPILE_FORCE_DISABLE_CACHES")

@@ -397,6 +397,31 @@ def check_debug_vars(env: dict, cfg=None) -> list[Finding]:
     return _f("env.debug", "ok", "no debugging variables set")
 
 
+# The variables that turn a compile cache off, and what it then costs: the example 3B config's start-up on one H100
+# (bench/RESULTS.md, sixteenth round): inductor 15.6-20.4 s cold against 2.5-2.7 s warm (s19-startup,
+# s19-startup2); flash-attn-4's kernels ~8 s of a warm start-up without its disk cache (18.1 against 10.2 s)
+CACHE_OFF = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCH_COMPILE_FORCE_DISABLE_CACHES": "1",
+             "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+             "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0"}
+
+
+def check_compile_caches(env: dict, cfg=None) -> list[Finding]:
+    v = env["env"]
+    off = [k for k, value in CACHE_OFF.items() if k in v and (v[k].strip() == value if value == "1"
+                                                                else v[k].strip() != "1")]
+    if not off:
+        return _f("env.compile_caches", "ok", "torch.compile's and flash-attn-4's caches on (gapless's defaults)")
+    costs = []
+    if any(k.startswith("TORCH") for k in off):
+        costs.append("every start-up compiles from scratch: inductor 15.6-20.4 s cold against 2.5-2.7 s from the "
+                     "cache (the example 3B config, one H100)")
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" in off:
+        costs.append("flash-attn-4 compiles its kernels in every process: ~8 s of each start-up (18.1 against "
+                     "10.2 s warm, the same config)")
+    return _f("env.compile_caches", "warning", ", ".join(f"{k}={v[k]}" for k in off) + " turns a compile cache off",
+              "; ".join(costs), "unset " + " ".join(off))
+
+
 def check_nccl_vars(env: dict, cfg=None) -> list[Finding]:
     set_vars = {k: v for k, v in env["env"].items() if k.startswith("NCCL_") or k.startswith("TORCH_NCCL_")}
     if not set_vars:
@@ -420,7 +445,7 @@ def check_install(env: dict, cfg=None) -> list[Finding]:
 
 ENV_CHECKS = (check_python, check_versions, check_gpu, check_bf16, check_tf32, check_determinism, check_nccl,
               check_kernels, check_workers, check_hf_offline, check_alloc_conf, check_launch_blocking,
-              check_memory_fraction, check_debug_vars, check_nccl_vars, check_install)
+              check_memory_fraction, check_debug_vars, check_compile_caches, check_nccl_vars, check_install)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "safete
             "flash-attn-4", "flash_attn", "liger-kernel", "bitsandbytes", "nvidia-ml-py", "nvidia-nccl-cu12",
             "nvidia-nccl-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu13", "gapless")
 # Environment variables that change speed, memory, networking or what is downloaded. Prefixes end in "_".
-ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "HF_", "TRANSFORMERS_", "NVIDIA_")
+ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "HF_", "TRANSFORMERS_", "NVIDIA_",
+                "FLASH_ATTENTION_")
 ENV_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT")
 # The fast kernels gapless can use, by the module a run imports (config.py and kernels/ say where each is used).
