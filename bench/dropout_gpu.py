@@ -9,9 +9,10 @@ Shapes, each once per layer (so each weighs 1 in the sums): q/k/v (in 3072, R = 
 (3072, 16), down_proj (8192, 16); x bf16 (float32 under the interpreter, which multiplies bf16's raw bits), A
 float32 [R, in], the backward with dx (NEED_DX), p = 0.05.
 
-Variants: N_ROUNDS 10, 7 x BLOCK_M 32, 64, 128 x BLOCK_K 64, 128, 256 x num_warps 4, 8 (36 forward), and for
-the backward also the programs target 256, 512, 1024 (108; splits as lora_dropout._backward_splits, here per
-variant). None is pruned: the 72 compiles per kernel and BLOCK_R (programs only change the grid) run first in a
+Variants: N_ROUNDS 10, 7 x BLOCK_M 32, 64, 128 x BLOCK_K 64, 128, 256 x num_warps 4, 8, for the forward also
+the splits of `in` 1, 2, 4 (108; lora_dropout.FWD_SPLIT_K), for the backward the programs target 256, 512, 1024
+(108; splits as lora_dropout._backward_splits, here per variant). None is pruned: the 72 compiles per kernel and
+BLOCK_R (programs and splits past 2 only change the grid) run first in a
 pool of processes, one per core, that fill Triton's on-disk cache, and the timing pass loads them. A variant that
 fails to compile or run is recorded with the first line of its error. Times are triton.testing.do_bench medians, 5 ms
 warm-up and 20 ms of repetitions, L2 flushed before each call (x, 96-256 MiB, is never in the 50 MiB L2 in a step
@@ -37,10 +38,11 @@ the mask of each shape as the forward kernel walks it (the default forward block
 kept elements, without reading x, with either unpacking: its time beside the forward kernel's says how much of that
 is the mask.
 
---apply (after timing) rewrites FWD_BLOCK_M, FWD_BLOCK_K, FWD_WARPS, BWD_BLOCK_M, BWD_BLOCK_K, BWD_WARPS and
-BACKWARD_PROGRAMS in src/gapless/kernels/lora_dropout.py to the fastest checked configurations at PHILOX_ROUNDS
-(the rounds are never changed: 7 rounds are reported only) and prints the diff; the comments above the constants
-still describe the old values, for a person to update. Under --smoke it prints the diff without writing.
+--apply (after timing) rewrites FWD_BLOCK_M, FWD_BLOCK_K, FWD_WARPS, FWD_SPLIT_K, BWD_BLOCK_M, BWD_BLOCK_K,
+BWD_WARPS and BACKWARD_PROGRAMS in src/gapless/kernels/lora_dropout.py to the fastest checked configurations at
+PHILOX_ROUNDS (the rounds are never changed: 7 rounds are reported only) and prints the diff; the comments above
+the constants still describe the old values, for a person to update. Under --smoke it prints the diff without
+writing.
 JSON lines, one per kernel, variant and shape (plus the floors and the choices), go to --out (default
 $OUT/dropout_gpu.jsonl where OUT is set).
 """
@@ -78,6 +80,7 @@ SMOKE_SHAPES = [("q/k/v", 80, 48), ("gate/up", 80, 32), ("o_proj", 80, 16), ("do
 # BLOCK_K 256: the backward re-reads dxa [N, R] once per column block (48 at 64 for in 3072), a quarter as often
 ROUNDS, BLOCKS_M, BLOCKS_K, WARPS = (10, 7), (32, 64, 128), (64, 128, 256), (4, 8)
 PROGRAMS, SMOKE_PROGRAMS = (256, 512, 1024), (2, 4, 8)
+SPLITS_K = (1, 2, 4)  # the forward's splits of `in` (lora_dropout.FWD_SPLIT_K)
 TOL = 1e-2  # bf16
 MAX_SD = 6
 
@@ -149,13 +152,16 @@ def mask_counts(n: int, k: int, seed, p: float, v: dict, join: bool):
 
 
 def forward(x, a, seed, p, v):
-    """xa [N, R] as lora_dropout.lora_dropout_xa launches it, under variant v."""
+    """xa [N, R] as lora_dropout.lora_dropout_xa launches it, under variant v (its `splits`: FWD_SPLIT_K)."""
     (n, k), r = x.shape, a.shape[0]
-    out = x.new_empty(n, r)
-    kernels.dropout_xa_kernel[(_cdiv(n, v["block_m"]),)](
-        x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=v["block_m"], BLOCK_K=v["block_k"],
-        BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=v["rounds"], num_warps=v["warps"])
-    return out
+    per_split = _cdiv(_cdiv(k, v["block_k"]), v["splits"]) * v["block_k"]  # lora_dropout._forward_splits
+    splits = _cdiv(k, per_split)
+    out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
+    kernels.dropout_xa_kernel[(_cdiv(n, v["block_m"]), splits)](
+        x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=v["block_m"],
+        BLOCK_K=v["block_k"], BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=v["rounds"],
+        num_warps=v["warps"])
+    return out if splits == 1 else out.sum(0).to(x.dtype)
 
 
 def backward(dxa, x, a, seed, p, v):
@@ -176,14 +182,14 @@ def variants(kernel: str, programs) -> list[dict]:
     grid = [dict(rounds=rr, block_m=m, block_k=k, warps=w)
             for rr, m, k, w in itertools.product(ROUNDS, BLOCKS_M, BLOCKS_K, WARPS)]
     if kernel == "forward":
-        return grid
+        return [dict(v, splits=sk) for v in grid for sk in SPLITS_K]
     return [dict(v, programs=pr) for v in grid for pr in programs]
 
 
 def defaults() -> dict[str, dict]:
     rounds = kernels.PHILOX_ROUNDS
     return dict(forward=dict(rounds=rounds, block_m=lora_dropout.FWD_BLOCK_M, block_k=lora_dropout.FWD_BLOCK_K,
-                             warps=lora_dropout.FWD_WARPS),
+                             warps=lora_dropout.FWD_WARPS, splits=lora_dropout.FWD_SPLIT_K),
                 backward=dict(rounds=rounds, block_m=lora_dropout.BWD_BLOCK_M, block_k=lora_dropout.BWD_BLOCK_K,
                               warps=lora_dropout.BWD_WARPS, programs=lora_dropout.BACKWARD_PROGRAMS))
 
@@ -222,7 +228,9 @@ def precompile(shapes, programs, mask_variant: dict, jobs: int) -> None:
     todo, seen = [], set()
     for kernel in ("forward", "backward", "mask"):
         # programs change only the grid; the mask alone is timed at the default forward variant
-        for v in variants(kernel, programs[:1]) if kernel != "mask" else [mask_variant]:
+        # splits past 2 change only the grid (1 writes xa in x's dtype, more float32 partials: two compiles)
+        vs = [v for v in variants(kernel, programs[:1]) if v.get("splits", 1) <= 2]
+        for v in vs if kernel != "mask" else [mask_variant]:
             for _, k, r in shapes:
                 key = (kernel, _block_r(r), tuple(v.values()))
                 if key not in seen:
@@ -368,7 +376,7 @@ def check_join_mask(device, p: float, n: int, k: int) -> bool:
 # Summary, table and --apply
 
 
-VARIANT = ("rounds", "block_m", "block_k", "warps", "programs")
+VARIANT = ("rounds", "block_m", "block_k", "warps", "programs", "splits")
 
 
 def key(row: dict) -> tuple:
@@ -399,11 +407,12 @@ def summarise(rows: list[dict], kernel: str, n_shapes: int) -> list[dict]:
 def print_table(title: str, entries: list[dict], shapes, floor_ms: float, default: tuple, limit: int) -> None:
     print(f"\n{title}   (floor {floor_ms:.3f} ms; * = current default)")
     names = [name for name, _, _ in shapes]
-    print(f"  {'rounds':>6} {'BM':>4} {'BK':>4} {'warps':>5} {'progs':>5} |" + "".join(f"{n:>10}" for n in names)
+    print(f"  {'rounds':>6} {'BM':>4} {'BK':>4} {'warps':>5} {'progs':>5} {'split':>5} |"
+          + "".join(f"{n:>10}" for n in names)
           + f" | {'sum ms':>8} {'floor x':>7}  check (max rel, max |sd|)")
     shown = [e for i, e in enumerate(entries) if i < limit or e["v"] == default]
     for e in shown:
-        rounds, bm, bk, warps, programs = e["v"]
+        rounds, bm, bk, warps, programs, splits = e["v"]
         cells = "".join(f"{e['ms'][n]:10.4f}" if n in e["ms"] else f"{'-':>10}" for n in names)
         total = f"{e['sum']:8.3f} {e['sum'] / floor_ms:7.2f}" if e["sum"] is not None else f"{'-':>8} {'-':>7}"
         check = "ok" if e["ok"] else "FAIL"
@@ -412,7 +421,8 @@ def print_table(title: str, entries: list[dict], shapes, floor_ms: float, defaul
         if e["errors"]:
             check += " " + "; ".join(sorted(e["errors"]))[:120]
         star = "*" if e["v"] == default else " "
-        print(f" {star}{rounds:>6} {bm:>4} {bk:>4} {warps:>5} {programs if programs else '':>5} |{cells} | {total}"
+        print(f" {star}{rounds:>6} {bm:>4} {bk:>4} {warps:>5} {programs if programs else '':>5} "
+              f"{splits if splits else '':>5} |{cells} | {total}"
               f"  {check}")
     if len(shown) < len(entries):
         print(f"  ... {len(entries) - len(shown)} more in the JSON lines")
@@ -439,6 +449,7 @@ def rewrite_constants(text: str, values: dict[str, int]) -> str:
 
 def apply(fwd: dict, bwd: dict, write: bool) -> None:
     values = dict(FWD_BLOCK_M=fwd["block_m"], FWD_BLOCK_K=fwd["block_k"], FWD_WARPS=fwd["warps"],
+                  FWD_SPLIT_K=fwd["splits"],
                   BWD_BLOCK_M=bwd["block_m"], BWD_BLOCK_K=bwd["block_k"], BWD_WARPS=bwd["warps"],
                   BACKWARD_PROGRAMS=bwd["programs"])
     old = LIBRARY.read_text()

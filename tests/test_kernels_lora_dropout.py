@@ -247,6 +247,26 @@ def test_interpreted_fused_equals_formula_under_its_mask(interpreted, monkeypatc
 
 
 @triton_only
+@pytest.mark.parametrize("n, k, split_k, splits", [(100, 200, 3, 2), (70, 203, 4, 4), (130, 72, 8, 2)])
+def test_interpreted_forward_split_k_equals_one_split(interpreted, monkeypatch, n, k, split_k, splits):
+    """The forward with `in` split (FWD_SPLIT_K; `splits` is what 64-column blocks allow): the same xa as unsplit,
+    up to the float32 sum's order, and the same gradients (the backward does not split)."""
+    x, _, _, a_s, _, _ = lora_group(n, k, (4, 8), (8, 8))
+    a = torch.cat(a_s)
+    seed = torch.tensor([11])
+    got = {}
+    for s in (1, split_k):
+        monkeypatch.setattr(lora_dropout, "FWD_SPLIT_K", s)
+        assert lora_dropout._forward_splits(k)[0] == (1 if s == 1 else splits)
+        xx, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
+        out = torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P)
+        out.pow(2).sum().backward()
+        got[s] = (out, xx.grad, aa.grad)
+    for g, w in zip(got[split_k], got[1]):
+        assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+@triton_only
 def test_interpreted_input_without_gradient(interpreted):
     """x needing no gradient (layer 0's input): the backward skips dx, dA is unchanged."""
     x, _, _, (a,), _, _ = lora_group(90, 136, (6,), (8,))

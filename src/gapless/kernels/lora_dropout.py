@@ -50,6 +50,11 @@ SEED_HIGH = 2 ** 62  # seeds are drawn in [0, SEED_HIGH): any int64 Philox accep
 FWD_BLOCK_M = 64
 FWD_BLOCK_K = 64
 FWD_WARPS = 4
+# forward: splits of `in` (split-K): FWD_SPLIT_K programs per row block, each summing its share of the columns into
+# a float32 partial [N, R], summed after. 1 (no split) until measured otherwise: 256 row blocks at 16,384 tokens are
+# about 2 programs per SM, few to hide the loads' latency behind (the forward ran at 1.75x its traffic floor, run
+# s19-drop2). The count depends on `in` alone, so a symbolic N adds no guard
+FWD_SPLIT_K = 1
 # backward: each program owns BWD_BLOCK_K columns (its [R, BLOCK_K] slice of dA in registers) over a split of N,
 # BWD_BLOCK_M rows at a time; the same 64 x 64 as the forward and 4 warps until measured otherwise
 BWD_BLOCK_M = 64
@@ -106,6 +111,12 @@ def _backward_splits(n: int, k: int) -> tuple[int, int]:
     return splits, _cdiv(_cdiv(n, BWD_BLOCK_M), splits) * BWD_BLOCK_M
 
 
+def _forward_splits(k: int) -> tuple[int, int]:
+    """(splits of `in`, columns per split, a multiple of FWD_BLOCK_K) for FWD_SPLIT_K."""
+    per_split = _cdiv(_cdiv(k, FWD_BLOCK_K), FWD_SPLIT_K) * FWD_BLOCK_K
+    return _cdiv(k, per_split), per_split
+
+
 def _block_r(r: int) -> int:
     return max(16, 1 << (r - 1).bit_length())  # tl.dot's smallest tile is 16
 
@@ -121,12 +132,13 @@ if FUSED_DROPOUT:
         x = x.contiguous()
         a = a.contiguous()
         (n, k), r = x.shape, a.shape[0]
-        out = x.new_empty(n, r)
-        wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M),)](
-            x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M, BLOCK_K=FWD_BLOCK_K,
-            BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
+        splits, per_split = _forward_splits(k)
+        out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
+        wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M), splits)](
+            x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M,
+            BLOCK_K=FWD_BLOCK_K, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
             num_warps=FWD_WARPS)
-        return out
+        return out if splits == 1 else out.sum(0).to(x.dtype)
 
     @triton_op("gapless::lora_dropout_xa_backward", mutates_args=())
     def lora_dropout_xa_backward(dxa: Tensor, x: Tensor, a: Tensor, seed: Tensor, p: float,

@@ -38,16 +38,20 @@ def keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, threshold, scale, BLOCK_M: tl.constexpr,
+def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, k_per_split, threshold, scale, BLOCK_M: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr):
-    """xa [N, R] = (keep * x / (1 - p)) A^T for one block of BLOCK_M rows: x is read once, the mask never leaves
-    registers, and 1 / (1 - p) (`scale`) is applied to the float32 sum."""
+    """xa [N, R] = (keep * x / (1 - p)) A^T for one block of BLOCK_M rows (program_id(0)) over columns split
+    program_id(1) (k_per_split columns, a multiple of BLOCK_K): x is read once, the mask never leaves registers, and
+    1 / (1 - p) (`scale`) is applied to the float32 sum. Split s writes out[s] of out [splits, N, R] (one split: out
+    is xa itself, in its dtype)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    split = tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)
     seed = tl.load(seed_ptr)
     words_per_row = tl.cdiv(K, 8)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                     other=0.0)
@@ -59,6 +63,7 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, threshold, scale
             acc = tl.dot(x, a, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, a, acc)
+    out_ptr += split.to(tl.int64) * N * R
     tl.store(out_ptr + rows[:, None] * R + rs[None, :], (acc * scale).to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (rs[None, :] < R))
 
