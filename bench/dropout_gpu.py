@@ -154,8 +154,7 @@ def mask_counts(n: int, k: int, seed, p: float, v: dict, join: bool):
 def forward(x, a, seed, p, v):
     """xa [N, R] as lora_dropout.lora_dropout_xa launches it, under variant v (its `splits`: FWD_SPLIT_K)."""
     (n, k), r = x.shape, a.shape[0]
-    per_split = _cdiv(_cdiv(k, v["block_k"]), v["splits"]) * v["block_k"]  # lora_dropout._forward_splits
-    splits = _cdiv(k, per_split)
+    splits, per_split = lora_dropout._forward_splits(k, v["block_k"], v["splits"])
     out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
     kernels.dropout_xa_kernel[(_cdiv(n, v["block_m"]), splits)](
         x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=v["block_m"],
@@ -167,8 +166,7 @@ def forward(x, a, seed, p, v):
 def backward(dxa, x, a, seed, p, v):
     """(dx [N, in], dA [R, in] float32) as lora_dropout.lora_dropout_xa_backward launches them, under variant v."""
     (n, k), r = x.shape, a.shape[0]
-    splits = max(1, v["programs"] // _cdiv(k, v["block_k"]))  # lora_dropout._backward_splits with v's blocks
-    rows_per_split = _cdiv(_cdiv(n, v["block_m"]), splits) * v["block_m"]
+    splits, rows_per_split = lora_dropout._backward_splits(n, k, v["block_m"], v["block_k"], v["programs"])
     dx = torch.empty_like(x)
     partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
     kernels.dropout_xa_backward_kernel[(_cdiv(k, v["block_k"]), splits)](

@@ -257,7 +257,7 @@ def test_interpreted_forward_split_k_equals_one_split(interpreted, monkeypatch, 
     got = {}
     for s in (1, split_k):
         monkeypatch.setattr(lora_dropout, "FWD_SPLIT_K", s)
-        assert lora_dropout._forward_splits(k)[0] == (1 if s == 1 else splits)
+        assert lora_dropout._forward_splits(k, lora_dropout.FWD_BLOCK_K, s)[0] == (1 if s == 1 else splits)
         xx, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
         out = torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P)
         out.pow(2).sum().backward()

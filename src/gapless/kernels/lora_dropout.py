@@ -103,17 +103,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _backward_splits(n: int, k: int) -> tuple[int, int]:
-    """(splits of N, rows per split, a multiple of BWD_BLOCK_M) for about BACKWARD_PROGRAMS programs. The count
-    depends on `in` alone, so a symbolic N (torch.compile's dynamic shapes) adds no guard; a split past N writes
-    zeros."""
-    splits = max(1, BACKWARD_PROGRAMS // _cdiv(k, BWD_BLOCK_K))
-    return splits, _cdiv(_cdiv(n, BWD_BLOCK_M), splits) * BWD_BLOCK_M
+def _backward_splits(n: int, k: int, block_m: int, block_k: int, programs: int) -> tuple[int, int]:
+    """(splits of N, rows per split, a multiple of block_m) for about `programs` programs (the library passes
+    BWD_BLOCK_M, BWD_BLOCK_K and BACKWARD_PROGRAMS; bench/dropout_gpu.py its variants'). The count depends on `in`
+    alone, so a symbolic N (torch.compile's dynamic shapes) adds no guard; a split past N writes zeros."""
+    splits = max(1, programs // _cdiv(k, block_k))
+    return splits, _cdiv(_cdiv(n, block_m), splits) * block_m
 
 
-def _forward_splits(k: int) -> tuple[int, int]:
-    """(splits of `in`, columns per split, a multiple of FWD_BLOCK_K) for FWD_SPLIT_K."""
-    per_split = _cdiv(_cdiv(k, FWD_BLOCK_K), FWD_SPLIT_K) * FWD_BLOCK_K
+def _forward_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits of `in`, columns per split, a multiple of block_k) for about split_k splits (the library passes
+    FWD_BLOCK_K and FWD_SPLIT_K; bench/dropout_gpu.py its variants')."""
+    per_split = _cdiv(_cdiv(k, block_k), split_k) * block_k
     return _cdiv(k, per_split), per_split
 
 
@@ -132,7 +133,7 @@ if FUSED_DROPOUT:
         x = x.contiguous()
         a = a.contiguous()
         (n, k), r = x.shape, a.shape[0]
-        splits, per_split = _forward_splits(k)
+        splits, per_split = _forward_splits(k, FWD_BLOCK_K, FWD_SPLIT_K)
         out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
         wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M), splits)](
             x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M,
@@ -147,7 +148,7 @@ if FUSED_DROPOUT:
         lora_dropout_xa, the mask drawn again from the same seed."""
         dxa, x, a = dxa.contiguous(), x.contiguous(), a.contiguous()
         (n, k), r = x.shape, a.shape[0]
-        splits, rows_per_split = _backward_splits(n, k)
+        splits, rows_per_split = _backward_splits(n, k, BWD_BLOCK_M, BWD_BLOCK_K, BACKWARD_PROGRAMS)
         dx = torch.empty_like(x) if need_dx else x.new_empty(0)
         partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
         wrap_triton(kernels.dropout_xa_backward_kernel)[(_cdiv(k, BWD_BLOCK_K), splits)](
