@@ -400,15 +400,15 @@ def check_debug_vars(env: dict, cfg=None) -> list[Finding]:
 # The variables that turn a compile cache off, and what it then costs: the example 3B config's start-up on one H100
 # (bench/RESULTS.md, sixteenth round): inductor 15.6-20.4 s cold against 2.5-2.7 s warm (s19-startup,
 # s19-startup2); flash-attn-4's kernels ~8 s of a warm start-up without its disk cache (18.1 against 10.2 s)
-CACHE_OFF = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCH_COMPILE_FORCE_DISABLE_CACHES": "1",
-             "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-             "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0"}
+CACHE_DISABLES = ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_COMPILE_FORCE_DISABLE_CACHES")  # off when "1"
+CACHE_ENABLES = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")  # set to anything but "1": off
 
 
 def check_compile_caches(env: dict, cfg=None) -> list[Finding]:
     v = env["env"]
-    off = [k for k, value in CACHE_OFF.items() if k in v and (v[k].strip() == value if value == "1"
-                                                                else v[k].strip() != "1")]
+    off = ([k for k in CACHE_DISABLES if v.get(k, "").strip() == "1"]
+           + [k for k in CACHE_ENABLES if k in v and v[k].strip() != "1"])
     if not off:
         return _f("env.compile_caches", "ok", "torch.compile's and flash-attn-4's caches on (gapless's defaults)")
     costs = []
