@@ -9,17 +9,20 @@
    save_pretrained writes them, and the Llama 3 tokenizer, into WORK/model (kept and reused while its config.json is
    the same).
 2. Runs `gapless train examples/llama-3.2-3b-lora.yaml model.path=WORK/model data.sources.0.path=DATA
-   train.steps=1 ...` in a subprocess twice:
+   train.steps=1 ...` in a subprocess three times:
      cold: the compile caches (TORCHINDUCTOR_CACHE_DIR; flash-attn-4's kernels, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR,
            gapless.kernels.attention.fa4_disk_cache), the token cache (data.cache_dir) and gapless's bytecode
            cache (~/.cache/gapless/pycache, used where torch has no .pyc: gapless.bytecode) empty, and the weights'
            pages dropped from the OS page cache (fsync, then posix_fadvise DONTNEED: advisory, no root needed);
-     warm: the same caches, now full, and the weights in the page cache.
+     warm: the same caches, now full, and the weights in the page cache;
+     cold_pyc: cold again, but with the imports' bytecode kept: what a first run after `pip install` meets (pip
+           writes every package's .pyc at install; the GPU machine's torch has none, so `cold` compiles its
+           thousands of modules from source, about 8 s of run s19-startup2's 12.6 s of imports).
 3. Each time, two clocks to the end of step 1: outside, from just before the subprocess is started to the moment its
    "step 1 done" line arrives (`cold_s`, `warm_s`); inside, the run's own first_step_s from the process start
    (metrics.jsonl {"kind": "startup"}), with its parts: imports_config, load (build, transform, load the weights),
    data, other, first_step (its batch, compile, forward, backward, update), compile_s (torch.compile's own timer,
-   within first_step) and the peak memory.
+   within first_step), what ran beside the load (the data, flash-attn-4's first compile) and the peak memory.
 4. Appends one row to --out in the schema of bench/results.jsonl's rows (config "startup"; "startup_tiny" for
    --tiny, whose rows go to WORK/results.jsonl unless --out is given).
 
@@ -143,7 +146,9 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
                           "other": parts["other"], "warmup": parts.get("warmup"), "first_step": parts["first_step"],
                           "compile": startup["compile_s"],
                           # the data's own seconds, read beside the model's load ("data" is the wait after it)
-                          "data_beside": startup.get("overlapped", {}).get("data")},
+                          "data_beside": startup.get("overlapped", {}).get("data"),
+                          # flash-attn-4's first compile, beside the load ("load" holds what was left to wait for)
+                          "attention_beside": startup.get("overlapped", {}).get("attention")},
             "compile_caches": startup.get("compile_caches", {}), "compile_phases": startup.get("compile_phases", {}),
             "peak_gib": startup["peak_gib"], "host_peak_gib": round(startup["host_peak_gib"], 3),
             "process_s": round(wall, 3)}
@@ -203,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
           + (f" (written in {model['written_s']:.1f} s)" if model["written_s"] else " (reused)"), flush=True)
 
     caches = work / "cache"
-    shutil.rmtree(caches, ignore_errors=True)  # cold: nothing compiled, nothing tokenized
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "compile"), "PYTHONUNBUFFERED": "1",
            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(caches / "flash_attn_cute"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
@@ -216,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"data.sources.0.path={data}", f"data.cache_dir={caches / 'tokens'}", "train.steps=1",
                 f"output_dir={run_dir}", *overrides, "--overwrite"]
 
-    for name in ("cold", "warm"):
-        if name == "cold":
+    for name in ("cold", "warm", "cold_pyc"):
+        if name != "warm":  # nothing compiled, nothing tokenized, the weights read from the disk
             page_cache_dropped = drop_page_cache(work / "model")
-            shutil.rmtree(PYCACHE.expanduser(), ignore_errors=True)  # the imports' bytecode (gapless.bytecode)
+            shutil.rmtree(caches, ignore_errors=True)
+        if name == "cold":  # and the imports' bytecode (gapless.bytecode); cold_pyc keeps it, as `pip install` does
+            shutil.rmtree(PYCACHE.expanduser(), ignore_errors=True)
         run_dir = work / "runs" / name
         results[name] = run_once(name, [sys.executable, *train_command(run_dir)], env, run_dir, work / f"{name}.log")
         r = results[name]
@@ -229,14 +235,14 @@ def main(argv: list[str] | None = None) -> int:
               + f"; compile caches {r['compile_caches'] or 'unused'}; longest compile phases "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_phases"].items()), flush=True)
 
-    cold, warm = results["cold"], results["warm"]
+    cold, warm, cold_pyc = results["cold"], results["warm"], results["cold_pyc"]
     autotuned = {name: autotuned_kernels(work / f"{name}.log") for name in results}
     best_configs = len(list((caches / "compile").rglob("*.best_config")))
     print(f"[startup] kernels autotuned at run time: cold {len(autotuned['cold'])}, warm {len(autotuned['warm'])}"
           + (f" ({', '.join(autotuned['warm'])}; in the cold run too: "
              f"{sorted(set(autotuned['warm']) & set(autotuned['cold']))})" if autotuned["warm"] else "")
           + f"; {best_configs} .best_config files in the compile cache", flush=True)
-    peaks = [r["peak_gib"] for r in (cold, warm) if r["peak_gib"] is not None]
+    peaks = [r["peak_gib"] for r in results.values() if r["peak_gib"] is not None]
     row = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "system": "gapless",
            "config": "startup_tiny" if opts.tiny else "startup",
@@ -246,15 +252,17 @@ def main(argv: list[str] | None = None) -> int:
            "command": shlex.join(["python", "bench/startup_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
            "run_id": opts.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ-startup"),
            "torch": torch.__version__, "error": None,
-           "cold_s": cold["outside_s"], "warm_s": warm["outside_s"],
+           "cold_s": cold["outside_s"], "warm_s": warm["outside_s"], "cold_pyc_s": cold_pyc["outside_s"],
            "cold_inside_s": cold["inside_s"], "warm_inside_s": warm["inside_s"],
            "cold_breakdown": cold["breakdown"], "warm_breakdown": warm["breakdown"],
+           "cold_pyc_breakdown": cold_pyc["breakdown"],
            "cold_peak_gib": cold["peak_gib"], "warm_peak_gib": warm["peak_gib"],
            "autotuned_cold": len(autotuned["cold"]), "autotuned_warm": autotuned["warm"],
-           "host_peak_gib": max(cold["host_peak_gib"], warm["host_peak_gib"]),
+           "host_peak_gib": max(r["host_peak_gib"] for r in results.values()),
            "describe": f"start-up of {opts.config.name}, process start to the end of step 1: cold "
                        f"{cold['outside_s']:.1f} s, warm {warm['outside_s']:.1f} s (targets {TARGETS['cold_s']:g} "
-                       f"/ {TARGETS['warm_s']:g} s)",
+                       f"/ {TARGETS['warm_s']:g} s); cold with the bytecode that pip install writes "
+                       f"{cold_pyc['outside_s']:.1f} s",
            "targets": TARGETS, "page_cache_dropped": page_cache_dropped, "weights_gib": round(model["weights_gib"], 3),
            "shards": model["shards"], "train_command": "gapless train " + shlex.join(
                [str(opts.config.relative_to(ROOT) if opts.config.is_relative_to(ROOT) else opts.config),

@@ -46,14 +46,17 @@ def test_tiny_cold_and_warm_end_to_end(startup, shared, tmp_path):
     assert "startup" in row["config"] and row["error"] is None and row["system"] == "gapless"
     for run in ("cold", "warm"):
         parts = row[f"{run}_breakdown"]
-        assert set(parts) == {"imports_config", "load", "data", "other", "first_step", "compile"}
+        steps = {"imports_config", "load", "data", "other", "warmup", "first_step"}  # one after the other
+        assert set(parts) == steps | {"compile", "data_beside", "attention_beside"}
         # the outside clock holds the inside one (which starts at the process start, read to 10 ms) and the time
         # this busy process takes to read the line
         assert row[f"{run}_inside_s"] - 0.1 <= row[f"{run}_s"] <= row[f"{run}_inside_s"] + 5.0
-        assert sum(v for k, v in parts.items() if k != "compile") == pytest.approx(row[f"{run}_inside_s"], abs=0.05)
-    # the token cache: empty for the cold run, kept for the warm one (the data summary's cache column)
-    logs = {run: (tmp_path / "work" / f"{run}.log").read_text() for run in ("cold", "warm")}
+        assert sum(parts[k] or 0 for k in steps) == pytest.approx(row[f"{run}_inside_s"], abs=0.05)
+    assert row["cold_pyc_s"] > 0 and set(row["cold_pyc_breakdown"]) == set(row["cold_breakdown"])
+    # the token cache: empty for both cold runs, kept for the warm one (the data summary's cache column)
+    logs = {run: (tmp_path / "work" / f"{run}.log").read_text() for run in ("cold", "warm", "cold_pyc")}
     assert "train.jsonl" in logs["cold"] and " miss " in logs["cold"] and " hit " in logs["warm"]
+    assert " miss " in logs["cold_pyc"]
     assert row["page_cache_dropped"] and row["shards"] >= 2
 
 
