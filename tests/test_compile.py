@@ -50,7 +50,7 @@ def test_the_loop_warns_and_records_eager_frames(tmp_path, monkeypatch):
     demo_task.write_jsonl(demo_task.make_examples(40, seed=1), tmp_path / "train.jsonl")
     counts = iter([0, 3])
     monkeypatch.setattr(loop, "frames_not_compiled", lambda: next(counts, 3))
-    monkeypatch.setattr(assemble, "compile_layers", lambda model: model)
+    monkeypatch.setattr(assemble, "compile_layers", lambda model, options=None: model)
     cfg = load_config(data={
         "model": {"path": str(tmp_path / "base"), "dtype": "float32", "device": "cpu", "compile": True},
         "data": {"sources": [{"path": str(tmp_path / "train.jsonl")}], "max_seq_len": 64, "tokens_per_batch": 128,
@@ -105,6 +105,26 @@ def test_compile_layers_starts_torchs_source_hash_in_the_background(monkeypatch,
         assert started == ["prefetch"]
     else:
         assert ran.wait(10) and started == ["gapless-torch-key"]
+
+
+def test_compile_layers_passes_inductors_options_this_torch_knows(monkeypatch):
+    """compile_layers' `options` (the bench's Recipe.inductor) reach torch.compile for every layer, without the
+    names this torch's inductor does not have (torch.compile would refuse them); none given: no options."""
+    from torch import nn
+
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+    from gapless.train.compile import compile_layers
+
+    seen = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
+    args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    compile_layers(CausalLM(args), {"max_pointwise_cat_inputs": 0, "no_such_inductor_option": 1})
+    assert seen == [{"dynamic": True, "options": {"max_pointwise_cat_inputs": 0}}] * 2
+    seen.clear()
+    compile_layers(CausalLM(args))
+    assert seen == [{"dynamic": True}] * 2
 
 
 def test_cache_counts_tell_a_cold_compile_from_a_warm_one(monkeypatch, tmp_path):
@@ -166,7 +186,7 @@ def test_evaluation_graphs_compile_when_the_first_evaluation_needs_them(tmp_path
     compile in the first evaluation, at train.eval_every."""
     write_base_model(tmp_path / "base", seed=0)
     demo_task.write_jsonl(demo_task.make_examples(80, seed=1), tmp_path / "train.jsonl")
-    monkeypatch.setattr(assemble, "compile_layers", lambda model: model)  # the order of calls is what is tested
+    monkeypatch.setattr(assemble, "compile_layers", lambda model, options=None: model)  # the order of calls is what is tested
     steps_done, evaluated_after = [0], []
     step, evaluate = loop.train_step, loop.evaluate
 

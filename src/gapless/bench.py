@@ -117,6 +117,8 @@ class Recipe:
     lora_dropout: float = 0.0
     fused_dropout: bool = True  # lora.fused_dropout: the mask drawn in the A matmul's kernels (CUDA with triton)
     method: str = "lora"  # config.method: lora | qlora (NF4 base) | full (every weight, float32 masters)
+    # inductor's settings for the compiled layers, (name, value) pairs (gapless.train.compile.compile_layers)
+    inductor: tuple[tuple[str, object], ...] = ()
 
     def describe(self) -> str:
         parts = [self.batching, self.attn, f"{self.loss} loss"]
@@ -125,7 +127,8 @@ class Recipe:
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
                          + ([f"LoRA dropout {self.lora_dropout:g}" + ("" if self.fused_dropout else " (torch)")]
                             if self.lora_dropout else [])
-                         + ([f"method {self.method}"] if self.method != "lora" else []))
+                         + ([f"method {self.method}"] if self.method != "lora" else [])
+                         + [f"inductor {name}={value}" for name, value in self.inductor])
 
 
 CONFIGS = {
@@ -177,6 +180,12 @@ CONFIGS = {
     # `default` in those runs ran this, and `default_concat_b` ran what `default` is now), and under dropout 0.05,
     # which concat ran as grouped until s17 and runs as concat_b since
     "default_concat": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat"),
+    # default with every concatenation in the layers' graphs a ConcatKernel, whose parts' producers write into it,
+    # not inductor's pointwise cat with masked loads: SwiGLU's backward into concat_b's gate|up gradient then reads
+    # dh and gate once, not once per half (bench/cat_probe.py)
+    "default_concat_kernel": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
+                                    inductor=(("max_pointwise_cat_inputs", 0),
+                                              ("max_complex_pointwise_cat_inputs", 0))),
     "default_dropout_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
                                       lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
@@ -213,7 +222,8 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
     with torch.device("meta"):
         model = CausalLM(args, attn_backend=recipe.attn)
     model = assemble(model, method, device, dtype, activation_checkpointing=int(recipe.checkpoint),
-                     compile=recipe.compile, tensors=random_tensors(model, device, dtype, seed))
+                     compile=recipe.compile, compile_options=dict(recipe.inductor),
+                     tensors=random_tensors(model, device, dtype, seed))
     model.loss_chunk_size = None if recipe.loss == "materialised" else recipe.loss_chunk
     model.loss_step = LOSS_STEPS.get(recipe.loss, "eager")
     return model, method

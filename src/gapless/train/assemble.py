@@ -25,16 +25,17 @@ from gapless.train.parallel import Dist, parallelize
 
 
 def assemble(model: CausalLM, method: Method, device: torch.device, dtype: torch.dtype | str, *,
-             activation_checkpointing: int = 0, compile: bool = False,
+             activation_checkpointing: int = 0, compile: bool = False, compile_options: dict | None = None,
              tensors: Iterable[tuple[str, torch.Tensor]] | None = None, parallel: Dist | None = None) -> CausalLM:
     """The model built on meta (gapless.model.loading.build), transformed, then loaded; in training mode.
-    `parallel`: this rank's place in a torchrun run (gapless.train.parallel.init_distributed); None: one process."""
+    `parallel`: this rank's place in a torchrun run (gapless.train.parallel.init_distributed); None: one process.
+    `compile_options`: inductor's settings for the compiled layers (compile_layers)."""
     assert all(p.is_meta for p in model.parameters()), "assemble takes the model as built, on the meta device"
     model = method.transform(model)
     if activation_checkpointing:
         model = checkpoint_activations(model, every=activation_checkpointing)
     if compile:
-        model = compile_layers(model)
+        model = compile_layers(model, compile_options)
     else:
         model.loss_step = uncompiled_loss_step(device)
     placement = parallelize(model, method, parallel, device, resolve_dtype(dtype, model.config_dict))  # FSDP2 here

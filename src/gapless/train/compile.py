@@ -41,7 +41,7 @@ def prefetch_torch_key() -> None:
         threading.Thread(target=key, name="gapless-torch-key", daemon=True).start()
 
 
-def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
+def compile_layers(model: nn.Module, options: dict | None = None, **compile_kwargs) -> nn.Module:
     """torch.compile every decoder layer in place (nn.Module.compile keeps the HF parameter names).
 
     Layers share one code object and, with dynamo's inlining of nn.Modules, one compiled graph: compiling
@@ -55,8 +55,17 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     host int) every batch. Static shapes would compile once, then again for both once they change (dynamo's
     automatic dynamic shapes): two full compiles per variant. Symbolic from the start, it is one; the weights stay
     static (force_parameter_static_shapes), so the matmuls and the reductions over the hidden size keep fixed sizes.
+
+    `options`: inductor's settings for the layers' graphs (torch.compile's options; the benchmarks' A/B of a
+    setting, gapless.bench's Recipe.inductor), those this torch does not know left out.
     """
     compile_kwargs.setdefault("dynamic", True)
+    if options:
+        import torch._inductor.config as inductor_config
+
+        known = {k: v for k, v in options.items() if hasattr(inductor_config, k)}
+        if known:
+            compile_kwargs["options"] = known
     use_compile_cache()
     prefetch_torch_key()  # compile_layers runs before the weights load (gapless.train.assemble)
     for layer in model.model.layers:
