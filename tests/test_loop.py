@@ -484,15 +484,22 @@ def test_attention_kernels_compile_beside_the_load(base, uninterrupted, monkeypa
     """A backend whose kernels compile at their first call (flash-attn-4; here a stand-in over the reference) is
     called once, forward and backward, in a thread while the weights load: those calls start before the load ends
     and finish before the model's first own call; the startup record holds their seconds ("overlapped"); the
-    losses equal the uninterrupted run's (its random stream untouched). An error there surfaces as raised."""
+    tokenizer's workers are not forked from the process meanwhile; the losses equal the uninterrupted run's (its
+    random stream untouched). An error there surfaces as raised."""
     import threading
 
     import gapless.model.decoder as decoder
     import gapless.train.assemble as assemble_mod
     from gapless.kernels.attention import sdpa_reference
 
-    calls, times = [], {}
-    assemble = assemble_mod.assemble
+    import gapless.data.pipeline as pipeline
+
+    calls, times, forks = [], {}, []
+    assemble, build_data = assemble_mod.assemble, pipeline.build_data
+
+    def recorded_data(*args, **kwargs):  # the tokenizer's workers are not forked beside a thread's CUDA objects
+        forks.append(kwargs["fork"])
+        return build_data(*args, **kwargs)
 
     def first_call_compiles(q, k, v, **kwargs):
         calls.append((threading.current_thread().name, time.perf_counter(), kwargs["sliding_window"]))
@@ -510,7 +517,9 @@ def test_attention_kernels_compile_beside_the_load(base, uninterrupted, monkeypa
 
     monkeypatch.setattr(decoder, "get_attention", lambda backend: first_call_compiles)
     monkeypatch.setattr(assemble_mod, "assemble", timed_assemble)
+    monkeypatch.setattr(pipeline, "build_data", recorded_data)
     result = train(run_config(base, "attention_beside"))
+    assert forks == [False]
     warm = [c for c in calls if c[0].startswith("gapless-attention")]
     model_calls = [c for c in calls if c[0] == threading.main_thread().name]
     assert len(warm) == 1 and warm[0][2] is None  # one call: every layer is plain causal

@@ -34,7 +34,7 @@ import torch
 
 from gapless.config import CONCAT_KERNELS, RunConfig, resolve_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
-from gapless.kernels.attention import compiles_once
+from gapless.kernels.attention import compiles_at_first_call, compiles_once
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import plots_of, read_run, write_report
@@ -269,17 +269,22 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # model's loading and is waited for after it (the example 3B config cold on an H100: data 16.5 s, load 7.5 s, one
     # after the other, run s17-startup-norblock). Under torchrun rank 0 fills the cache after the model, the others
     # then read it (below).
+    # The attention kernels that compile at their first call compile in a thread beside the load too
+    # (attention_beside); the tokenizer's workers are then not forked from this process (Tokenizing says why).
+    progress.phase("startup: building and loading the model")
+    model = build(cfg.model.path, cfg.model.attn_backend)
+    warm_attention = compiles_at_first_call(model.attn_fn)
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     vocab_size = model_config.get("vocab_size")
     beside = None
     if data is None and not parallel.active:
-        beside = Beside(lambda: build_data(cfg.data, tokenizer_dir, vocab_size=vocab_size), "data")
+        beside = Beside(lambda: build_data(cfg.data, tokenizer_dir, vocab_size=vocab_size, fork=not warm_attention),
+                        "data")
 
-    # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
-    progress.phase("startup: building and loading the model")
+    # -- model: built on meta (above), transformed by the method, then loaded (gapless.train.assemble)
     method = method_of(cfg)
-    model = build(cfg.model.path, cfg.model.attn_backend)
-    attention = attention_beside(model, cfg.data, device, resolve_dtype(cfg.model.dtype, model.config_dict))
+    attention = attention_beside(model, cfg.data, device, resolve_dtype(cfg.model.dtype, model.config_dict)) \
+        if warm_attention else None
     model = assemble(model, method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
                      parallel=parallel)
@@ -319,8 +324,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         startup.overlapped["data"] = beside.seconds
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
         if beside is None and tokenizing == parallel.is_main:
-            mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir,
-                                                                              vocab_size=vocab_size)
+            mix, eval_mix, summary = data if data is not None else build_data(
+                cfg.data, tokenizer_dir, vocab_size=vocab_size, fork=not warm_attention)
         parallel.barrier()
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
@@ -376,18 +381,16 @@ class Beside:
         return self.future.result()
 
 
-def attention_beside(model, data, device: torch.device, dtype: torch.dtype) -> Beside | None:
+def attention_beside(model, data, device: torch.device, dtype: torch.dtype) -> Beside:
     """The attention kernels that compile at their first call (flash-attn-4's: about 10 s of a cold start on an
     H100, run s19-startup2) compiled in a thread while the weights load (kernels.attention.warm_kernels): one
     forward and backward per distinct sliding window on random q, k, v of the made-up packed batch's layout (the
-    run's rows of data.max_seq_len slots, as compile_beside_data), drawn from their own generator. None where
-    nothing compiles at a first call (every other backend). setup waits for it before anything else calls
-    attention, so two threads never compile the same kernel."""
+    run's rows of data.max_seq_len slots, as compile_beside_data), drawn from their own generator. For a backend
+    that compiles at a first call (kernels.attention.compiles_at_first_call); setup waits for it before anything
+    else calls attention, so two threads never compile the same kernel."""
     from gapless.data.batching import made_up_packed_batch
-    from gapless.kernels.attention import compiles_at_first_call, warm_kernels
+    from gapless.kernels.attention import warm_kernels
 
-    if not compiles_at_first_call(model.attn_fn):
-        return None
     args = model.args
     rows = data.tokens_per_batch // data.max_seq_len if isinstance(data.tokens_per_batch, int) else 1
     layout = made_up_packed_batch(rows, data.max_seq_len, 2)
