@@ -308,58 +308,6 @@ def test_compiles_once_names_the_backends_that_are_one_op():
     assert compiles_once(varlen)
 
 
-def test_warm_kernels_calls_each_distinct_window_once_forward_and_backward():
-    """warm_kernels (what runs beside the load for flash-attn-4) makes one forward and backward per distinct
-    (window, scale) of the layers, in their first order, and leaves the global RNG as it was."""
-    from gapless.kernels.attention import compiles_at_first_call, warm_kernels
-
-    seen = []
-
-    def recorded(q, k, v, *, sliding_window, scale, **kwargs):
-        seen.append((sliding_window, scale, q.requires_grad))
-        out = sdpa_reference(q, k, v, sliding_window=sliding_window, scale=scale, **kwargs)
-        out.register_hook(lambda grad: seen.append("backward"))
-        return out
-
-    assert not compiles_at_first_call(recorded) and not compiles_at_first_call(get_attention("sdpa"))
-    q, k = torch.randn(2, 16, 4, 8), torch.randn(2, 16, 2, 8)
-    cu = torch.tensor([0, 8, 16, 24, 32], dtype=torch.int32)
-    state = torch.get_rng_state()
-    calls = warm_kernels(recorded, q, k, k, cu, 8, [(4, 0.5), (None, 0.5), (4, 0.5), (None, 0.5)],
-                         generator=torch.Generator().manual_seed(0))
-    assert calls == 2 and seen == [(4, 0.5, True), "backward", (None, 0.5, True), "backward"]
-    assert torch.equal(torch.get_rng_state(), state)
-
-
-@pytest.mark.gpu
-@cuda
-def test_fa4_kernels_warmed_beside_the_load_are_the_ones_the_model_calls():
-    """What gapless.train.loop.attention_beside compiles (warm_kernels on the made-up packed layout) is what a real
-    batch's call uses: after the warm-up, a call on other documents compiles no new flash-attn-4 kernel (its
-    in-memory caches, forward and backward, keep their sizes)."""
-    from gapless.data.batching import made_up_packed_batch
-    from gapless.kernels.attention import compiles_at_first_call, warm_kernels
-
-    attn = _backend_or_skip("fa4_op")
-    from flash_attn.cute import interface as fa
-
-    assert compiles_at_first_call(attn)
-
-    def compiled() -> tuple[int, int]:
-        return len(fa._flash_attn_fwd.compile_cache.cache), len(fa._flash_attn_bwd.compile_cache.cache)
-
-    layout = made_up_packed_batch(2, 2048, 2)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 2048, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (8, 2, 2))
-    assert warm_kernels(attn, q, k, v, layout.cu_seqlens.cuda(), layout.max_seqlen, [(None, 0.088)] * 3,
-                        generator=gen) == 1
-    warmed = compiled()
-    q, k, v, cu, m = packed([[1, 700, 37, 129, 300, 2], [1024, 5, 900]], 2048, 8, 2, 128, device="cuda",
-                            dtype=torch.bfloat16, seed=1)
-    _fwd_bwd(attn, q, k, v, torch.randn_like(q), cu_seqlens=cu, max_seqlen=m, scale=0.088)
-    assert compiled() == warmed
-
-
 def test_the_configs_backend_names_are_the_registrys():
     """gapless.config checks model.attn_backend against ATTN_BACKENDS without importing torch: the same names."""
     from gapless.config import ATTN_BACKENDS

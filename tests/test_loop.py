@@ -480,63 +480,6 @@ def test_data_is_read_beside_the_model_loading(base, uninterrupted, monkeypatch)
         train(run_config(base, "beside_broken"))
 
 
-def test_attention_kernels_compile_beside_the_load(base, uninterrupted, monkeypatch):
-    """A backend whose kernels compile at their first call (flash-attn-4; here a stand-in over the reference) is
-    called once, forward and backward, in a thread while the weights load: those calls start before the load ends
-    and finish before the model's first own call; the startup record holds their seconds ("overlapped"); the
-    tokenizer's workers are not forked from the process meanwhile; the losses equal the uninterrupted run's (its
-    random stream untouched). An error there surfaces as raised."""
-    import threading
-
-    import gapless.model.decoder as decoder
-    import gapless.train.assemble as assemble_mod
-    from gapless.kernels.attention import sdpa_reference
-
-    import gapless.data.pipeline as pipeline
-
-    calls, times, forks = [], {}, []
-    assemble, build_data = assemble_mod.assemble, pipeline.build_data
-
-    def recorded_data(*args, **kwargs):  # the tokenizer's workers are not forked beside a thread's CUDA objects
-        forks.append(kwargs["fork"])
-        return build_data(*args, **kwargs)
-
-    def first_call_compiles(q, k, v, **kwargs):
-        calls.append((threading.current_thread().name, time.perf_counter(), kwargs["sliding_window"]))
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.5)  # a compile longer than the tiny model's load
-        return sdpa_reference(q, k, v, **kwargs)
-
-    first_call_compiles.compiles_at_first_call = True
-
-    def timed_assemble(*args, **kwargs):
-        times["load_start"] = time.perf_counter()
-        model = assemble(*args, **kwargs)
-        times["model_end"] = time.perf_counter()
-        return model
-
-    monkeypatch.setattr(decoder, "get_attention", lambda backend: first_call_compiles)
-    monkeypatch.setattr(assemble_mod, "assemble", timed_assemble)
-    monkeypatch.setattr(pipeline, "build_data", recorded_data)
-    result = train(run_config(base, "attention_beside"))
-    assert forks == [False]
-    warm = [c for c in calls if c[0].startswith("gapless-attention")]
-    model_calls = [c for c in calls if c[0] == threading.main_thread().name]
-    assert len(warm) == 1 and warm[0][2] is None  # one call: every layer is plain causal
-    assert warm[0][1] < times["model_end"] < model_calls[0][1]
-    assert result.losses == uninterrupted.losses
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert next(r for r in records if r.get("kind") == "startup")["overlapped"]["attention"] >= 0.5
-
-    def broken(q, k, v, **kwargs):
-        raise RuntimeError("flash-attn-4: the kernel did not compile")
-
-    broken.compiles_at_first_call = True
-    monkeypatch.setattr(decoder, "get_attention", lambda backend: broken)
-    with pytest.raises(RuntimeError, match="did not compile"):
-        train(run_config(base, "attention_beside_broken"))
-
-
 def test_layers_compile_on_a_made_up_batch_while_the_data_is_read(base, monkeypatch):
     """With compile on and the data not read yet when the model is loaded, setup runs one forward and backward of a
     made-up packed batch: the layers (and the loss's step) compile there, step 1 and after compile nothing more, and

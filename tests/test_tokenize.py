@@ -295,25 +295,15 @@ def test_the_cache_second_run_does_not_tokenize_and_a_change_invalidates(demo_to
 
 
 def test_worker_processes_give_the_same_arrays(shared, tmp_path, monkeypatch):
-    """Forked workers, and workers that are not forked from this process (fork=False: a forkserver's, as when a
-    thread holds CUDA objects beside the tokenizing), give what this process gives alone."""
-    import multiprocessing
-
     monkeypatch.setattr(tokenize, "CHUNK", 64)  # 500 records -> 8 chunks over 2 workers
     path = str(shared / "data/messages/fastchat_dummy_conversation.jsonl")
     tokenizer = shared / "tokenizers/llama3"
-    contexts = []
-    get_context = multiprocessing.get_context
-    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: contexts.append(method) or
-                        get_context(method))
     one, _, _ = build_data(config(tmp_path / "a", tokenizer, [{"path": path}], num_workers=0))
-    for name, fork in (("b", True), ("c", False)):
-        two, _, _ = build_data(config(tmp_path / name, tokenizer, [{"path": path}], num_workers=2), fork=fork)
-        a, b = one.datasets[0], two.datasets[0]
-        assert len(a) == len(b) == 500
-        assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask)
-        assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.records, b.records)
-    assert contexts == ["fork", "forkserver"]
+    two, _, _ = build_data(config(tmp_path / "b", tokenizer, [{"path": path}], num_workers=2))
+    a, b = one.datasets[0], two.datasets[0]
+    assert len(a) == len(b) == 500
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask) and np.array_equal(a.offsets, b.offsets)
+    assert np.array_equal(a.records, b.records)
 
 
 def test_eval_split_by_record_and_eval_sources(demo_tokenizer, tmp_path):

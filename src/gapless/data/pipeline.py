@@ -124,13 +124,12 @@ def split_eval(data: SourceData, fraction: float, seed: int) -> tuple[TokenizedD
 
 
 def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_workers: int | None = None,
-               vocab_size: int | None = None, fork: bool = True):
+               vocab_size: int | None = None):
     """Read, tokenize (or load from the cache) and mix the data of a run.
 
     Returns (train Mixture, eval Mixture or None, DataSummary). The tokenizer is data.tokenizer,
     else `tokenizer_dir` (the training loop passes the model folder). `vocab_size`: the model's embedding
-    rows; a tokenizer with more tokens is refused before anything is tokenized (check_vocab). `fork`: whether
-    the tokenizer's worker processes may be forked from this one (Tokenizing says when not).
+    rows; a tokenizer with more tokens is refused before anything is tokenized (check_vocab).
     """
     folder = cfg.tokenizer or tokenizer_dir
     if folder is None:
@@ -147,7 +146,7 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
     workers = num_workers if num_workers is not None else cfg.num_workers
     if workers is None:
         workers = available_cpus()
-    tokenizing = Tokenizing(folder, read_chat_template(cfg.chat_template), settings, workers, fork=fork)
+    tokenizing = Tokenizing(folder, read_chat_template(cfg.chat_template), settings, workers)
     try:
         train = [load_source(s, cfg, tokenizing, tok_fp, hashes, root, vocab_size) for s in cfg.sources]
         evals = [load_source(s, cfg, tokenizing, tok_fp, hashes, root, vocab_size) for s in cfg.eval_sources]

@@ -521,12 +521,6 @@ class Tokenizing:
     The pool starts on the first source of two chunks or more and serves every later source of the
     run. Workers are forked where the OS can (as torch's DataLoader does), so they start at once
     with the tokenizer already loaded; spawning instead costs ~5 s per worker to import transformers.
-    `fork=False` where another thread of this process holds CUDA objects while the pool starts
-    (gapless.train.loop.attention_beside): a forked child clears the other threads' state, and a CUDA
-    object destroyed there calls CUDA in the child, which aborts it ("CUDA error: initialization
-    error"; a tokenizer worker died so in run s20-startup). The workers then come from a forkserver
-    (a fresh interpreter that imports this module once, then forks each worker; spawn where the OS
-    has none) and load the tokenizer themselves.
 
     The pool is concurrent.futures' ProcessPoolExecutor, fed at most 2 chunks per worker ahead of the
     reader (memory stays bounded whatever the source's size). An exception in a worker comes back with
@@ -537,9 +531,9 @@ class Tokenizing:
     """
 
     def __init__(self, tokenizer_dir: Path, chat_template: str | dict[str, str] | None, settings: dict,
-                 num_workers: int, fork: bool = True):
+                 num_workers: int):
         self.folder, self.chat_template, self.settings = tokenizer_dir, chat_template, settings
-        self.num_workers, self.fork = num_workers, fork
+        self.num_workers = num_workers
         self.pool: ProcessPoolExecutor | None = None
         self._local: Encoder | None = None
 
@@ -556,16 +550,12 @@ class Tokenizing:
         if self.num_workers <= 1 or len(head) < 2:
             return map(self.local.encode_chunk, itertools.chain(head, chunks))
         if self.pool is None:
-            methods = multiprocessing.get_all_start_methods()
-            method = "fork" if self.fork and "fork" in methods else "forkserver" if "forkserver" in methods \
-                else "spawn"
+            fork = "fork" in multiprocessing.get_all_start_methods()
             # The processes are the parallelism: keep the Rust tokenizer single-threaded in each, and
             # setting the variable before forking also silences its "forked after parallelism" notice.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            context = multiprocessing.get_context(method)
-            if method == "forkserver":
-                context.set_forkserver_preload([__name__])
-            args = self.local if method == "fork" else (str(self.folder), self.local.sets, self.settings)
+            context = multiprocessing.get_context("fork" if fork else "spawn")
+            args = self.local if fork else (str(self.folder), self.local.sets, self.settings)
             self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_init_worker,
                                             initargs=(args,))
         return self._in_order(itertools.chain(head, chunks))

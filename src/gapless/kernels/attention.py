@@ -48,7 +48,6 @@ import functools
 import inspect
 import os
 import weakref
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,27 +124,6 @@ def compiles_once(attn_fn: AttentionFn) -> bool:
     the backends that are one op in the graph over cu_seqlens (varlen, fa4_op, any op_attention). sdpa's reference
     loops over the documents in Python, a graph per document count; flex builds a block mask per batch."""
     return getattr(attn_fn, "compiles_once", False)
-
-
-def compiles_at_first_call(attn_fn: AttentionFn) -> bool:
-    """Whether attn_fn's kernels are compiled when a layout is first met (flash-attn-4's CuTe DSL kernels, about 10 s
-    a cold start on an H100, run s19-startup2), so a first call beside other start-up work pays (warm_kernels)."""
-    return getattr(attn_fn, "compiles_at_first_call", False)
-
-
-def warm_kernels(attn_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                 layers: Iterable[tuple[int | None, float]], generator: torch.Generator | None = None) -> int:
-    """One eager forward and backward of attn_fn per distinct (sliding window, scale) of `layers` (window None:
-    plain causal) on q [B, T, Hq, D], k, v [B, T, Hkv, D] laid out as cu_seqlens: what compiles at a first call
-    compiles here, and the model's own calls with the same dtype, heads and window then find it in the backend's
-    cache. The output gradient is drawn from `generator` (the global RNG stays as it was). Returns the number of
-    calls made."""
-    distinct = list(dict.fromkeys(layers))
-    for window, scale in distinct:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = attn_fn(*leaves, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sliding_window=window, scale=scale)
-        out.backward(torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=generator))
-    return len(distinct)
 
 
 def backend_names() -> list[str]:
@@ -501,9 +479,7 @@ def _fa4_op_backend() -> AttentionFn:
                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
         return dq, dk, dv
 
-    attention = op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
-    attention.compiles_at_first_call = True  # its CuTe DSL kernels (compiles_at_first_call)
-    return attention
+    return op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
 
 
 def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> AttentionFn:

@@ -34,7 +34,7 @@ import torch
 
 from gapless.config import CONCAT_KERNELS, RunConfig, resolve_device, to_dict
 from gapless.data.batching import Batch, BatchSampler
-from gapless.kernels.attention import compiles_at_first_call, compiles_once
+from gapless.kernels.attention import compiles_once
 from gapless.meter.flops import measure_peak_flops, step_flops
 from gapless.meter.monitor import GpuMonitor
 from gapless.meter.report import plots_of, read_run, write_report
@@ -251,7 +251,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
           parallel: Dist = Dist()) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
     from gapless.data.pipeline import build_data
-    from gapless.model.loading import build, read_config, resolve_dtype
+    from gapless.model.loading import build, read_config
     from gapless.train.assemble import assemble
 
     startup = StartupParts(timeline.t0)
@@ -269,28 +269,18 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # model's loading and is waited for after it (the example 3B config cold on an H100: data 16.5 s, load 7.5 s, one
     # after the other, run s17-startup-norblock). Under torchrun rank 0 fills the cache after the model, the others
     # then read it (below).
-    # The attention kernels that compile at their first call compile in a thread beside the load too
-    # (attention_beside); the tokenizer's workers are then not forked from this process (Tokenizing says why).
-    progress.phase("startup: building and loading the model")
-    model = build(cfg.model.path, cfg.model.attn_backend)
-    warm_attention = compiles_at_first_call(model.attn_fn)
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
     vocab_size = model_config.get("vocab_size")
     beside = None
     if data is None and not parallel.active:
-        beside = Beside(lambda: build_data(cfg.data, tokenizer_dir, vocab_size=vocab_size, fork=not warm_attention),
-                        "data")
+        beside = DataBeside(cfg.data, tokenizer_dir, vocab_size)
 
-    # -- model: built on meta (above), transformed by the method, then loaded (gapless.train.assemble)
+    # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
+    progress.phase("startup: building and loading the model")
     method = method_of(cfg)
-    attention = attention_beside(model, cfg.data, device, resolve_dtype(cfg.model.dtype, model.config_dict)) \
-        if warm_attention else None
-    model = assemble(model, method, device, cfg.model.dtype,
+    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
                      parallel=parallel)
-    if attention is not None:  # before anything else calls attention (attention_beside)
-        attention.result()
-        startup.overlapped["attention"] = attention.seconds
     startup.mark("model")
     dtype = next(model.parameters()).dtype
     peak_flops = measure_peak_flops(device, dtype)  # MFU's denominator, measured here (~0.2 s)
@@ -324,8 +314,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
         startup.overlapped["data"] = beside.seconds
     for tokenizing in (True, False):  # several ranks: rank 0 fills the cache, then the others read it
         if beside is None and tokenizing == parallel.is_main:
-            mix, eval_mix, summary = data if data is not None else build_data(
-                cfg.data, tokenizer_dir, vocab_size=vocab_size, fork=not warm_attention)
+            mix, eval_mix, summary = data if data is not None else build_data(cfg.data, tokenizer_dir,
+                                                                              vocab_size=vocab_size)
         parallel.barrier()
     progress.message(summary.format())
     sampler = BatchSampler.from_config(cfg.data, mix)
@@ -351,60 +341,34 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
                startup, parallel)
 
 
-class Beside:
-    """fn() in a thread, started now, while setup goes on (the model loads meanwhile). result() waits and returns
-    fn's value or raises its error; `seconds` is fn's own wall time. A run that fails before result() still waits
-    for the thread at exit (concurrent.futures joins its threads).
+class DataBeside:
+    """gapless.data.pipeline.build_data in a thread, started now: its tokenizing runs in worker processes (or it
+    reads the token cache) while this thread goes on (setup loads the model meanwhile). result() waits and returns
+    build_data's value or raises its error; `seconds` is its own wall time. Its worker processes are forked from
+    this thread while the model loads; they only tokenize, never touching the parent's CUDA state or its loading
+    threads' files (the import lock is held across a fork by CPython, so no import is caught halfway). A model that
+    fails to load still waits for the tokenizing at exit (concurrent.futures joins its threads), which
+    leaves the token cache filled for the next run."""
 
-    The data (gapless.data.pipeline.build_data) runs beside the load this way: its tokenizing worker processes are
-    forked from the thread while the model loads; they only tokenize, never touching the parent's CUDA state or its
-    loading threads' files (the import lock is held across a fork by CPython, so no import is caught halfway), and a
-    model that fails to load leaves the token cache filled for the next run. So does flash-attn-4's first compile
-    (attention_beside)."""
-
-    def __init__(self, fn, name: str):
+    def __init__(self, cfg, tokenizer_dir: Path, vocab_size: int | None):
         from concurrent.futures import ThreadPoolExecutor
+
+        from gapless.data.pipeline import build_data
 
         def timed():
             start = time.perf_counter()
             try:
-                return fn()
+                return build_data(cfg, tokenizer_dir, vocab_size=vocab_size)
             finally:
                 self.seconds = time.perf_counter() - start
 
         self.seconds = 0.0
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"gapless-{name}")
+        executor = ThreadPoolExecutor(1, thread_name_prefix="gapless-data")
         self.future = executor.submit(timed)
         executor.shutdown(wait=False)  # the one task runs on; nothing more is submitted
 
     def result(self):
         return self.future.result()
-
-
-def attention_beside(model, data, device: torch.device, dtype: torch.dtype) -> Beside:
-    """The attention kernels that compile at their first call (flash-attn-4's: about 10 s of a cold start on an
-    H100, run s19-startup2) compiled in a thread while the weights load (kernels.attention.warm_kernels): one
-    forward and backward per distinct sliding window on random q, k, v of the made-up packed batch's layout (the
-    run's rows of data.max_seq_len slots, as compile_beside_data), drawn from their own generator. For a backend
-    that compiles at a first call (kernels.attention.compiles_at_first_call); setup waits for it before anything
-    else calls attention, so two threads never compile the same kernel."""
-    from gapless.data.batching import made_up_packed_batch
-    from gapless.kernels.attention import warm_kernels
-
-    args = model.args
-    rows = data.tokens_per_batch // data.max_seq_len if isinstance(data.tokens_per_batch, int) else 1
-    layout = made_up_packed_batch(rows, data.max_seq_len, 2)
-    layers = [(layer.self_attn.sliding_window, layer.self_attn.scale) for layer in model.model.layers]
-
-    def warm() -> int:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(rows, data.max_seq_len, heads, args.head_dim, device=device, dtype=dtype,
-                               generator=gen)
-                   for heads in (args.num_attention_heads, args.num_key_value_heads, args.num_key_value_heads))
-        return warm_kernels(model.attn_fn, q, k, v, layout.cu_seqlens.to(device), layout.max_seqlen,
-                            layers, generator=gen)
-
-    return Beside(warm, "attention")
 
 
 def compile_beside_data(model, params: list[torch.Tensor], data, device: torch.device) -> bool:
