@@ -51,9 +51,11 @@ FWD_BLOCK_M = 64
 FWD_BLOCK_K = 64
 FWD_WARPS = 4
 # forward: splits of `in` (split-K): FWD_SPLIT_K programs per row block, each summing its share of the columns into
-# a float32 partial [N, R], summed after. 1 (no split) until measured otherwise: 256 row blocks at 16,384 tokens are
-# about 2 programs per SM, few to hide the loads' latency behind (the forward ran at 1.75x its traffic floor, run
-# s19-drop2). The count depends on `in` alone, so a symbolic N adds no guard
+# a float32 partial [N, R], summed after. 1 (no split): over a Llama-3.2-3B layer's four shapes at 16,384 tokens on
+# an H100, 2 splits took 0.349 ms and 4 0.359 against 0.348 unsplit (bench/dropout_gpu.py, run s20-drop); only
+# down_proj's `in` of 8,192 gained (0.140 against 0.148 ms), q/k/v's lost as much. The forward is bound by its
+# Philox draws more than by the loads' latency: 7 rounds took 0.321 ms. The count depends on `in` alone, so a
+# symbolic N adds no guard
 FWD_SPLIT_K = 1
 # backward: each program owns BWD_BLOCK_K columns (its [R, BLOCK_K] slice of dA in registers) over a split of N,
 # BWD_BLOCK_M rows at a time; the same 64 x 64 as the forward and 4 warps until measured otherwise
