@@ -109,7 +109,8 @@ def test_compile_layers_starts_torchs_source_hash_in_the_background(monkeypatch,
 
 def test_compile_layers_passes_inductors_options_this_torch_knows(monkeypatch):
     """compile_layers' `options` (the bench's Recipe.inductor) reach torch.compile for every layer, without the
-    names this torch's inductor does not have (torch.compile would refuse them); none given: no options."""
+    names this torch's inductor does not have (torch.compile would refuse them), which a warning names; none given:
+    no options."""
     from torch import nn
 
     from gapless.model.decoder import CausalLM
@@ -120,7 +121,8 @@ def test_compile_layers_passes_inductors_options_this_torch_knows(monkeypatch):
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
     args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    compile_layers(CausalLM(args), {"max_pointwise_cat_inputs": 0, "no_such_inductor_option": 1})
+    with pytest.warns(UserWarning, match=r"\['no_such_inductor_option'\] are not known to torch"):
+        compile_layers(CausalLM(args), {"max_pointwise_cat_inputs": 0, "no_such_inductor_option": 1})
     assert seen == [{"dynamic": True, "options": {"max_pointwise_cat_inputs": 0}}] * 2
     seen.clear()
     compile_layers(CausalLM(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,13 +58,17 @@ def compile_layers(model: nn.Module, options: dict | None = None, **compile_kwar
     static (force_parameter_static_shapes), so the matmuls and the reductions over the hidden size keep fixed sizes.
 
     `options`: inductor's settings for the layers' graphs (torch.compile's options; the benchmarks' A/B of a
-    setting, gapless.bench's Recipe.inductor), those this torch does not know left out.
+    setting, gapless.bench's Recipe.inductor), those this torch does not know left out with a warning (torch.compile
+    would refuse them: torch 2.11 has no max_complex_pointwise_cat_inputs).
     """
     compile_kwargs.setdefault("dynamic", True)
     if options:
         import torch._inductor.config as inductor_config
 
         known = {k: v for k, v in options.items() if hasattr(inductor_config, k)}
+        if len(known) < len(options):
+            warnings.warn(f"inductor settings {sorted(options.keys() - known.keys())} are not known to torch "
+                          f"{torch.__version__}; the layers compile without them")
         if known:
             compile_kwargs["options"] = known
     use_compile_cache()
