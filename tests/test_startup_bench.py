@@ -60,6 +60,28 @@ def test_tiny_cold_and_warm_end_to_end(startup, shared, tmp_path):
     assert row["page_cache_dropped"] and row["shards"] >= 2
 
 
+def test_a_failed_start_keeps_the_others_in_the_row(startup, shared, tmp_path, monkeypatch):
+    """--runs picks the starts; one that fails (s20-startup's cold_pyc: a tokenizer worker died) leaves its fields
+    null and its error in the row, the others' numbers stay, and the script exits 1. An unknown start is refused."""
+    def fake_run(name, command, env, run_dir, log):
+        log.write_text("step 1 done\n")
+        if name == "cold_pyc":
+            raise RuntimeError("cold_pyc run failed (exit 1): a tokenizer worker process died")
+        return {"outside_s": 2.0, "inside_s": 1.9, "breakdown": {"load": 1.0}, "compile_caches": {},
+                "compile_phases": {}, "peak_gib": 1.5, "host_peak_gib": 2.5, "process_s": 2.1}
+
+    monkeypatch.setattr(startup, "run_once", fake_run)
+    out = tmp_path / "results.jsonl"
+    args = ["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--tokenizer",
+            str(shared / "tokenizers" / "llama3")]
+    assert startup.main([*args, "--runs", "warm,cold_pyc"]) == 1
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["warm_s"] == 2.0 and row["cold_s"] is None and row["cold_pyc_s"] is None
+    assert row["error"].startswith("cold_pyc: cold_pyc run failed") and "warm 2.0 s" in row["describe"]
+    with pytest.raises(SystemExit):
+        startup.main([*args, "--runs", "cold,hot"])
+
+
 def test_load_time_script_times_serial_and_parallel(startup, shared, tmp_path, capsys):
     import sys
 
