@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elementwise_gpu import copy_bandwidth  # noqa: E402  (bench/ is not a package)
 
 H, I = 3072, 8192  # Llama-3.2-3B
 VARIANTS = {"pointwise_cat": {}, "concat_kernel": {"max_pointwise_cat_inputs": 0,
@@ -28,21 +32,6 @@ VARIANTS = {"pointwise_cat": {}, "concat_kernel": {"max_pointwise_cat_inputs": 0
 def mlp_half(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, w).split(I, dim=-1)
     return F.silu(gate) * up
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + write)."""
-    a = torch.empty(2**29, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def run(name: str, options: dict, x: torch.Tensor, w: torch.Tensor, dh: torch.Tensor) -> dict:
