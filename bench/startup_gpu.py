@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "warm finds the caches the run before it left)")
     opts = p.parse_args(argv)
     runs = opts.runs.split(",")
-    if not runs or set(runs) - set(RUNS):
+    if set(runs) - set(RUNS):
         p.error(f"--runs: {opts.runs!r}; a comma-separated list of {', '.join(RUNS)}")
 
     work = opts.work.resolve()
