@@ -161,15 +161,22 @@ if [[ $MODE == tests ]]; then
 elif [[ $MODE == flex ]]; then
   bench 0 --model $M3 --config packed_fused,packed_fused_flex
 elif [[ $MODE == startup ]]; then
-  timeout -k 10 "$(left 120)" "$PY" bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$RUN_ID" \
-    ${STARTUP_CPROFILE:+--cprofile "$OUT/warm.prof"} 2>&1 \
-    | tee "$OUT/startup.log"
+  # STARTUP_RUNS: startup_gpu.py's --runs (an A/B's two starts fit where three would overrun); STARTUP_ONLY=1: no
+  # load-time probe or loading test after it
+  timeout -k 10 "$(left $([[ -n ${STARTUP_ONLY:-} ]] && echo 0 || echo 120))" "$PY" bench/startup_gpu.py \
+    --work /tmp/gapless-startup --run-id "$RUN_ID" ${STARTUP_RUNS:+--runs "$STARTUP_RUNS"} \
+    ${STARTUP_CPROFILE:+--cprofile "$OUT/warm.prof"} 2>&1 | tee "$OUT/startup.log"
   cp /tmp/gapless-startup/*.log "$OUT"/ 2>/dev/null
-  # the staged reader against safetensors' memory map, from the disk (--cold) and from the page cache
-  { timeout -k 10 "$(left 90)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 8 --repeats 2 --cold
-    timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 8 --repeats 2
-  } 2>&1 | tee "$OUT/load_time.log"
-  timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
+  for f in /tmp/gapless-startup/runs/*/attention_warmup.log; do  # gapless.train.warm_attention's, per start
+    [[ -f $f ]] && cp "$f" "$OUT/attention_warmup-$(basename "$(dirname "$f")").log"
+  done
+  if [[ -z ${STARTUP_ONLY:-} ]]; then
+    # the staged reader against safetensors' memory map, from the disk (--cold) and from the page cache
+    { timeout -k 10 "$(left 90)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 8 --repeats 2 --cold
+      timeout -k 10 "$(left 60)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 8 --repeats 2
+    } 2>&1 | tee "$OUT/load_time.log"
+    timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
+  fi
 elif [[ $MODE == profile ]]; then
   # where one step of `default` (and `default_concat`) goes, by kernel kind and aten op (bench/profile_step.py)
   PROFILE_CONFIGS=${PROFILE_CONFIGS:-default,default_concat}

@@ -22,7 +22,8 @@
    "step 1 done" line arrives (`cold_s`, `warm_s`); inside, the run's own first_step_s from the process start
    (metrics.jsonl {"kind": "startup"}), with its parts: imports_config, load (build, transform, load the weights),
    data, other, first_step (its batch, compile, forward, backward, update), compile_s (torch.compile's own timer,
-   within first_step), the data's own seconds beside the load and the peak memory.
+   within first_step), the data's own seconds beside the load, flash-attn-4's compile in a second process
+   (gapless.train.warm_attention) and the peak memory.
 4. Appends one row to --out in the schema of bench/results.jsonl's rows (config "startup"; "startup_tiny" for
    --tiny, whose rows go to WORK/results.jsonl unless --out is given). --runs picks the starts (a two-start A/B
    fits a call that three would overrun); a start that fails leaves its fields null and its error in the row's
@@ -149,7 +150,9 @@ def run_once(name: str, command: list[str], env: dict, run_dir: Path, log: Path)
                           "other": parts["other"], "warmup": parts.get("warmup"), "first_step": parts["first_step"],
                           "compile": startup["compile_s"],
                           # the data's own seconds, read beside the model's load ("data" is the wait after it)
-                          "data_beside": startup.get("overlapped", {}).get("data")},
+                          "data_beside": startup.get("overlapped", {}).get("data"),
+                          # flash-attn-4's first compile in a second process (gapless.train.warm_attention)
+                          "attention_beside": startup.get("overlapped", {}).get("attention")},
             "compile_caches": startup.get("compile_caches", {}), "compile_phases": startup.get("compile_phases", {}),
             "peak_gib": startup["peak_gib"], "host_peak_gib": round(startup["host_peak_gib"], 3),
             "process_s": round(wall, 3)}

@@ -48,6 +48,7 @@ import functools
 import inspect
 import os
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,6 +125,36 @@ def compiles_once(attn_fn: AttentionFn) -> bool:
     the backends that are one op in the graph over cu_seqlens (varlen, fa4_op, any op_attention). sdpa's reference
     loops over the documents in Python, a graph per document count; flex builds a block mask per batch."""
     return getattr(attn_fn, "compiles_once", False)
+
+
+def compiles_at_first_call(attn_fn: AttentionFn) -> bool:
+    """Whether attn_fn's kernels are compiled when a layout is first met (flash-attn-4's CuTe DSL kernels, about 10 s
+    of a cold start on an H100, run s19-startup2), so a first call made elsewhere beforehand pays
+    (gapless.train.warm_attention)."""
+    return getattr(attn_fn, "compiles_at_first_call", False)
+
+
+def wait_before_first_call(attn_fn: AttentionFn, wait: Callable[[], None]) -> None:
+    """Have attn_fn's kernels call wait() once, before their next call runs (forward or backward, whichever comes
+    first): gapless.train.warm_attention's process compiles them meanwhile, and this one then loads what it wrote
+    to the backend's disk cache instead of compiling the same kernels beside it. The wait runs inside the registered
+    op (varlen_attention_op), where torch.compile's graphs call it at run time, not while tracing."""
+    attn_fn.first_call_waits.append(wait)
+
+
+def warm_kernels(attn_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                 layers: Iterable[tuple[int | None, float]], generator: torch.Generator | None = None) -> int:
+    """One eager forward and backward of attn_fn per distinct (sliding window, scale) of `layers` (window None:
+    plain causal) on q [B, T, Hq, D], k, v [B, T, Hkv, D] laid out as cu_seqlens: what compiles at a first call
+    compiles here, and the model's own calls with the same dtype, heads and window then find it in the backend's
+    cache. The output gradient is drawn from `generator` (the global RNG stays as it was). Returns the number of
+    calls made."""
+    distinct = list(dict.fromkeys(layers))
+    for window, scale in distinct:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attn_fn(*leaves, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sliding_window=window, scale=scale)
+        out.backward(torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=generator))
+    return len(distinct)
 
 
 def backend_names() -> list[str]:
@@ -404,9 +435,16 @@ def varlen_attention_op(name: str, forward: VarlenForward, backward: VarlenBackw
     if op_name in _OPS:
         return _OPS[op_name]
 
+    waits: list[Callable[[], None]] = []  # run before the next call, once each (wait_before_first_call)
+
+    def run_waits() -> None:
+        while waits:
+            waits.pop(0)()
+
     @torch.library.custom_op(op_name, mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float,
             window_left: int) -> tuple[Tensor, Tensor]:
+        run_waits()
         return forward(q, k, v, cu_seqlens, max_seqlen, scale, window_left)
 
     @fwd.register_fake
@@ -416,6 +454,7 @@ def varlen_attention_op(name: str, forward: VarlenForward, backward: VarlenBackw
     @torch.library.custom_op(f"gapless::{name}_bwd", mutates_args=())
     def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
             max_seqlen: int, scale: float, window_left: int) -> tuple[Tensor, Tensor, Tensor]:
+        run_waits()
         return backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window_left)
 
     @bwd.register_fake
@@ -436,6 +475,7 @@ def varlen_attention_op(name: str, forward: VarlenForward, backward: VarlenBackw
         return dq, dk, dv, None, None, None, None
 
     fwd.register_autograd(backward_rule, setup_context=setup_context)
+    fwd.first_call_waits = waits
     _OPS[op_name] = fwd
     return fwd
 
@@ -479,7 +519,9 @@ def _fa4_op_backend() -> AttentionFn:
                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
         return dq, dk, dv
 
-    return op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
+    attention = op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
+    attention.compiles_at_first_call = True  # its CuTe DSL kernels (compiles_at_first_call)
+    return attention
 
 
 def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> AttentionFn:
@@ -497,4 +539,6 @@ def op_attention(name: str, op: Callable, cuda_fallback: str | None = None) -> A
         return out.view(q.shape)
 
     attention.compiles_once = True  # one op over cu_seqlens (compiles_once)
+    if hasattr(op, "first_call_waits"):  # a varlen_attention_op's own list (wait_before_first_call)
+        attention.first_call_waits = op.first_call_waits
     return attention

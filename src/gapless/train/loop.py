@@ -251,7 +251,8 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
           parallel: Dist = Dist()) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
     from gapless.data.pipeline import build_data
-    from gapless.model.loading import build, read_config
+    from gapless.model.loading import build, read_config, resolve_dtype
+    from gapless.train import warm_attention
     from gapless.train.assemble import assemble
 
     startup = StartupParts(timeline.t0)
@@ -278,7 +279,18 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # -- model: built on meta, transformed by the method, then loaded (gapless.train.assemble)
     progress.phase("startup: building and loading the model")
     method = method_of(cfg)
-    model = assemble(build(cfg.model.path, cfg.model.attn_backend), method, device, cfg.model.dtype,
+    model = build(cfg.model.path, cfg.model.attn_backend)
+
+    def attention_warmed(warm_up: warm_attention.WarmUp) -> None:  # at the model's first attention call
+        startup.overlapped["attention"] = warm_up.seconds
+        progress.message(f"startup: the attention kernels compiled in a second process in {warm_up.seconds:.1f} s"
+                         f"{'' if warm_up.ok else ' (failed: ' + str(warm_up.log) + ')'}; the first call waited "
+                         f"{warm_up.waited:.1f} s for it")
+
+    if not parallel.active:  # flash-attn-4's kernels compiled by a second process meanwhile (warm_attention)
+        warm_attention.start(model, cfg.data, resolve_dtype(cfg.model.dtype, model.config_dict), device, run_dir,
+                             on_done=attention_warmed)
+    model = assemble(model, method, device, cfg.model.dtype,
                      activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
                      parallel=parallel)
     startup.mark("model")
