@@ -10,7 +10,7 @@ import pytest
 
 from gapless.config import DataConfig, SourceConfig, from_dict
 from gapless.data import tokenize
-from gapless.data.formats import read_source
+from gapless.data.formats import Example, read_source
 from gapless.data.pipeline import build_data
 from gapless.data.tokenize import Encoder, load_tokenizer, tokenizer_template
 
@@ -304,6 +304,20 @@ def test_worker_processes_give_the_same_arrays(shared, tmp_path, monkeypatch):
     assert len(a) == len(b) == 500
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask) and np.array_equal(a.offsets, b.offsets)
     assert np.array_equal(a.records, b.records)
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice on this OS")
+def test_workers_run_at_a_lower_cpu_priority(demo_tokenizer):
+    """The tokenizer's worker processes run WORKER_NICE below this process's priority (capped at 19), so the
+    model's load and compile beside them get the CPUs first."""
+    working = tokenize.Tokenizing(demo_tokenizer, DEMO_TEMPLATE, {"max_seq_len": 64, "train_on": "assistant",
+                                                                  "overlong": "truncate"}, num_workers=2)
+    try:
+        chunks = [[Example("t:1", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])]] * 2
+        list(working.map(iter(chunks)))
+        assert working.pool.submit(os.nice, 0).result() == min(os.nice(0) + tokenize.WORKER_NICE, 19)
+    finally:
+        working.close()
 
 
 def test_eval_split_by_record_and_eval_sources(demo_tokenizer, tmp_path):
