@@ -313,7 +313,8 @@ def test_workers_run_at_a_lower_cpu_priority(demo_tokenizer):
     working = tokenize.Tokenizing(demo_tokenizer, DEMO_TEMPLATE, {"max_seq_len": 64, "train_on": "assistant",
                                                                   "overlong": "truncate"}, num_workers=2)
     try:
-        chunks = [[Example("t:1", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])]] * 2
+        record = Example("t:1", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+        chunks = [[record]] * 2
         list(working.map(iter(chunks)))
         assert working.pool.submit(os.nice, 0).result() == min(os.nice(0) + tokenize.WORKER_NICE, 19)
     finally:
