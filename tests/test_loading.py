@@ -393,6 +393,56 @@ def test_staged_reader_reads_every_dtype_in_chunks_and_names_a_short_file(tmp_pa
         os.close(fd)
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_staged_reader_state_survives_a_fork_from_another_thread(tmp_path):
+    """A loading thread's staging state (on CUDA: pinned buffers and a stream) is not destroyed in a process forked
+    from another thread while it loads: gapless train forks its tokenizer workers beside the load, and a CUDA
+    object destroyed in the forked child aborts it. A threading.local's values are destroyed there (Python clears
+    the other threads' states after a fork); the reader keeps them in a plain dict. Here a stand-in state that
+    records where it is destroyed."""
+    import os
+    import threading
+
+    from gapless.model.loading import _StagedReader
+
+    marker = tmp_path / "destroyed"
+
+    class Recorded:
+        def __del__(self):
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+    class Reader(_StagedReader):
+        def _new_state(self):
+            return [[Recorded(), None]], None
+
+    reader, loading, release = Reader(torch.device("cpu")), threading.Event(), threading.Event()
+
+    def load():
+        reader._thread_state()
+        loading.set()
+        release.wait(timeout=60)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    loading.wait(timeout=60)
+    children = []
+
+    def fork():  # as the data thread forks a worker: the child ends without running anything
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        children.append(pid)
+
+    forker = threading.Thread(target=fork)
+    forker.start()
+    forker.join()
+    release.set()
+    thread.join()
+    assert not marker.exists() or str(children[0]) not in marker.read_text().split()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("stage_bytes", [None, 4096])

@@ -472,20 +472,28 @@ class _StagedReader:
 
     def __init__(self, device: torch.device, stage_bytes: int | None = None):
         self.device, self.stage_bytes = device, stage_bytes or STAGE_BYTES
-        self.local = threading.local()  # per thread: two [buffer, event of its last copy] and a stream
+        # per loading thread (by its ident): two [buffer, event of its last copy] and a stream. A plain dict, not a
+        # threading.local: a process forked from another thread meanwhile (gapless train's tokenizer workers,
+        # forked while the weights load) clears the other threads' states in PyOS_AfterFork_Child, which destroys
+        # their threading.local values there, and a CUDA stream or pinned buffer destroyed in a forked child aborts
+        # it ("CUDA error: initialization error" in c10::cuda::ExchangeDevice: runs s20-startup, s21-startup)
+        self.threads: dict[int, tuple[list[list], torch.cuda.Stream | None]] = {}
 
-    def _stages(self) -> list[list]:
-        if not hasattr(self.local, "stages"):
-            cuda = self.device.type == "cuda"
-            self.local.stages = [[torch.empty(self.stage_bytes, dtype=torch.uint8, pin_memory=cuda), None]
-                                 for _ in range(2)]
-            self.local.stream = torch.cuda.Stream(self.device) if cuda else None
-        return self.local.stages
+    def _thread_state(self) -> tuple[list[list], torch.cuda.Stream | None]:
+        state = self.threads.get(threading.get_ident())
+        if state is None:
+            state = self.threads[threading.get_ident()] = self._new_state()
+        return state
+
+    def _new_state(self) -> tuple[list[list], torch.cuda.Stream | None]:
+        cuda = self.device.type == "cuda"
+        stages = [[torch.empty(self.stage_bytes, dtype=torch.uint8, pin_memory=cuda), None] for _ in range(2)]
+        return stages, torch.cuda.Stream(self.device) if cuda else None
 
     def read(self, fd: int, file: Path, key: str, extent: tuple[str, tuple[int, ...], int, int]) -> torch.Tensor:
         dtype_name, shape, start, end = extent
         out = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-        stages, stream = self._stages(), self.local.stream
+        stages, stream = self._thread_state()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for i, offset in enumerate(range(0, end - start, self.stage_bytes)):
                 stage = stages[i % 2]
