@@ -128,9 +128,9 @@ def compiles_once(attn_fn: AttentionFn) -> bool:
 
 
 def compiles_at_first_call(attn_fn: AttentionFn) -> bool:
-    """Whether attn_fn's kernels are compiled when a layout is first met (flash-attn-4's CuTe DSL kernels, about 10 s
-    of a cold start on an H100, run s19-startup2), so a first call made elsewhere beforehand pays
-    (gapless.train.warm_attention)."""
+    """Whether attn_fn's kernels are compiled when a layout is first met and kept in a disk cache (flash-attn-4's CuTe
+    DSL kernels, about 10 s of a cold start on an H100, run s19-startup2; its cache on, as gapless asks unless the
+    user turned it off), so a first call made in another process beforehand pays (gapless.train.warm_attention)."""
     return getattr(attn_fn, "compiles_at_first_call", False)
 
 
@@ -496,7 +496,7 @@ def fa4_disk_cache() -> Path | None:
 
 
 def _fa4_op_backend() -> AttentionFn:
-    fa4_disk_cache()
+    disk_cache = fa4_disk_cache()
     try:  # flash-attn-4's own forward and backward entry points (what its FlashAttnVarlenFunc calls)
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except ImportError as e:
@@ -520,7 +520,8 @@ def _fa4_op_backend() -> AttentionFn:
         return dq, dk, dv
 
     attention = op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
-    attention.compiles_at_first_call = True  # its CuTe DSL kernels (compiles_at_first_call)
+    # its CuTe DSL kernels (compiles_at_first_call), where their disk cache lets a second process compile them
+    attention.compiles_at_first_call = disk_cache is not None
     return attention
 
 
