@@ -4,8 +4,8 @@ while this one loads the weights and compiles its layers.
 Why: a cold start-up of the example 3B config spent about 10 s of its first step compiling flash-attn-4's forward
 and backward (30.5 s of warm-up, 20.4 of it inductor's, run s19-startup2 on an H100). The same compile in a thread
 beside the load took those seconds off the first step but the load grew by as much (runs s20-startup and
-s20-startup2: flash-attn-4's compile is Python, and held the interpreter the load needed). A second process has
-its own interpreter. It writes the kernels to flash-attn-4's disk cache (kernels.attention.fa4_disk_cache, on
+s20-startup2; flash-attn-4's compile is mostly Python, which a thread runs under the interpreter lock the loading
+threads need). A second process has its own interpreter. It writes the kernels to flash-attn-4's disk cache (kernels.attention.fa4_disk_cache, on
 in both processes), and this process's first call loads them from there.
 
     start(...)  in gapless train's setup, after the model is built on meta and before its weights load: launches
@@ -15,10 +15,10 @@ in both processes), and this process's first call loads them from there.
                 wait for it (kernels.attention.wait_before_first_call): the two processes never compile the same
                 kernel at once.
 
-Only for a single process with such a backend (kernels.attention.compiles_at_first_call: flash-attn-4, so a CUDA
-device); under torchrun each rank would start one. GAPLESS_WARM_ATTENTION=0 turns it off. A warm-up that fails or runs past WAIT_S costs
-nothing but its time: the run's own first call compiles, as without it, and the error is in the run folder's
-attention_warmup.log.
+Only for a single process with such a backend (kernels.attention.compiles_at_first_call: flash-attn-4 with its disk
+cache on, so a CUDA device); under torchrun each rank would start one. GAPLESS_WARM_ATTENTION=0 turns it off. A
+warm-up that fails or runs past WAIT_S costs nothing but its time: the run's own first call compiles, as without
+it, and the error is in the run folder's attention_warmup.log.
 """
 from __future__ import annotations
 
