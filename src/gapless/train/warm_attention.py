@@ -5,8 +5,8 @@ Why: a cold start-up of the example 3B config spent about 10 s of its first step
 and backward (30.5 s of warm-up, 20.4 of it inductor's, run s19-startup2 on an H100). The same compile in a thread
 beside the load took those seconds off the first step but the load grew by as much (runs s20-startup and
 s20-startup2; flash-attn-4's compile is mostly Python, which a thread runs under the interpreter lock the loading
-threads need). A second process has its own interpreter. It writes the kernels to flash-attn-4's disk cache (kernels.attention.fa4_disk_cache, on
-in both processes), and this process's first call loads them from there.
+threads need). A second process has its own interpreter. It writes the kernels to flash-attn-4's disk cache
+(kernels.attention.fa4_disk_cache, on in both processes), and this process's first call loads them from there.
 
     start(...)  in gapless train's setup, after the model is built on meta and before its weights load: launches
                 `python -m gapless.train.warm_attention SPEC`, one forward and backward per distinct (sliding
