@@ -21,6 +21,12 @@
 #                                  ../shared/tokenizers/llama3 as .carry/tokenizers/llama3), then the load time by
 #                                  reading threads (bench/load_time.py) and the loading GPU test; STARTUP_CPROFILE=1: one more warm
 #                                  run under cProfile, its stats in $OUT/warm.prof
+#   bash bench/run_gpu.sh startup_ab  flash-attn-4's warm-up process (gapless.train.warm_attention) on and off, one
+#                                  machine: the imports' bytecode primed first (so neither start compiles torch from
+#                                  source), cold_pyc and warm with it (RUN_ID), then cold_pyc with
+#                                  GAPLESS_WARM_ATTENTION=0 (RUN_ID-nowarm: second, so any bytecode the first left
+#                                  favours it); carry .carry/carry.tar.xz after a `stash` call carried .whl/fa4a and
+#                                  with .whl/fa4b; the logs in $OUT/startup-logs.tgz (~200 s)
 #   bash bench/run_gpu.sh peer     HF+PEFT+Liger packed on Llama-3.2-3B at PEER_TOKENS (16,384 where the GPU has over
 #                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
 #                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
@@ -59,7 +65,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-MODES="stash probes dropout all flex methods methods2 methods3 methods4 gemma startup peer default profile ab tests"
+MODES="stash probes dropout all flex methods methods2 methods3 methods4 gemma startup startup_ab peer default"
+MODES+=" profile ab tests"
 # an unknown mode is an error before anything runs: session 16 typed one, and the old fallback ran the whole ladder
 # (450 s of a 1,800 s device budget)
 if [[ " $MODES " != *" $MODE "* ]]; then
@@ -69,7 +76,7 @@ fi
 # the modes whose steps keep fixed reserves for the steps after them: under this budget their first steps get 20 s
 # or less and are killed in their imports (session 17: startup at BUDGET_S=250 lost its warm run, probes at 290 its
 # data and flash-attn-4 probes)
-declare -A MIN_BUDGET=([startup]=330 [probes]=450 [default]=400 [dropout]=400)
+declare -A MIN_BUDGET=([startup]=330 [startup_ab]=220 [probes]=450 [default]=400 [dropout]=400)
 # DEFAULT_CONFIGS=none: `default` runs only the 8B and 1B; AB_CONFIGS=none: `dropout` only tunes the kernels
 if [[ ${DEFAULT_CONFIGS:-} == none ]]; then MIN_BUDGET[default]=200; fi
 if [[ ${AB_CONFIGS:-} == none ]]; then MIN_BUDGET[dropout]=200; fi
@@ -177,6 +184,22 @@ elif [[ $MODE == startup ]]; then
     } 2>&1 | tee "$OUT/load_time.log"
     timeout -k 10 "$(left 0)" "$PY" -m pytest -q -m gpu tests/test_loading.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
   fi
+elif [[ $MODE == startup_ab ]]; then
+  "$PY" -c "from gapless.bytecode import cache_bytecode; cache_bytecode(); import gapless.cli, gapless.train.loop, \
+gapless.train.warm_attention, torch._inductor.compile_fx, torch._inductor.codegen.triton, transformers; \
+import flash_attn.cute.interface" 2>&1 | tail -3
+  for variant in on off; do
+    if [[ $variant == on ]]; then runs=cold_pyc,warm id=$RUN_ID; else runs=cold_pyc id=$RUN_ID-nowarm; fi
+    GAPLESS_WARM_ATTENTION=$([[ $variant == on ]] && echo 1 || echo 0) timeout -k 10 "$(at_least 0)" "$PY" \
+      bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$id" --runs "$runs" 2>&1 \
+      | tee -a "$OUT/startup.log" | grep "^\[startup\]"
+    mkdir -p "/tmp/startup-logs/$variant"
+    cp /tmp/gapless-startup/*.log "/tmp/startup-logs/$variant/" 2>/dev/null
+    for f in /tmp/gapless-startup/runs/*/attention_warmup.log; do
+      [[ -f $f ]] && cp "$f" "/tmp/startup-logs/$variant/attention_warmup-$(basename "$(dirname "$f")").log"
+    done
+  done
+  tar czf "$OUT/startup-logs.tgz" -C /tmp/startup-logs .
 elif [[ $MODE == profile ]]; then
   # where one step of `default` (and `default_concat`) goes, by kernel kind and aten op (bench/profile_step.py)
   PROFILE_CONFIGS=${PROFILE_CONFIGS:-default,default_concat}
