@@ -91,7 +91,8 @@ def test_a_run_starts_the_warm_up_before_the_load_and_waits_for_it(base, uninter
     runs its waits as the registered op does) gets a warm-up process, started before the weights load and waited
     for at the model's first attention call, where it has ended (exit 0); its log and seconds are in the run folder
     and the startup record, and the losses equal the uninterrupted run's (the run's random stream is its own).
-    With GAPLESS_WARM_ATTENTION=0 none is started."""
+    None is started where the backend's kernel cache already holds compiled kernels, or with
+    GAPLESS_WARM_ATTENTION=0."""
     import gapless.model.decoder as decoder
     import gapless.train.assemble as assemble_mod
 
@@ -126,6 +127,14 @@ def test_a_run_starts_the_warm_up_before_the_load_and_waits_for_it(base, uninter
     assert next(r for r in records if r.get("kind") == "startup")["overlapped"]["attention"] > 0
     assert result.losses == uninterrupted.losses
 
+    # a kernel cache that already holds compiled kernels (a machine's later runs): no warm-up
+    first_call_compiles.kernel_cache = base["root"] / "kernels"
+    (first_call_compiles.kernel_cache / "fwd").mkdir(parents=True)
+    (first_call_compiles.kernel_cache / "fwd" / "key.o").write_bytes(b"")
+    cached = train(run_config(base, "warm_attention_cached"))
+    assert not (cached.run_dir / warm_attention.LOG).exists() and len(ended) == 1 and not waits
+
+    first_call_compiles.kernel_cache = base["root"] / "no_kernels"
     monkeypatch.setenv(warm_attention.OFF, "0")
     off = train(run_config(base, "warm_attention_off"))
     assert not (off.run_dir / warm_attention.LOG).exists() and len(ended) == 1 and not waits

@@ -522,6 +522,7 @@ def _fa4_op_backend() -> AttentionFn:
     attention = op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
     # its CuTe DSL kernels (compiles_at_first_call), where their disk cache lets a second process compile them
     attention.compiles_at_first_call = disk_cache is not None
+    attention.kernel_cache = disk_cache  # where they are kept (gapless.train.warm_attention looks there first)
     return attention
 
 

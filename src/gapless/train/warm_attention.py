@@ -16,7 +16,10 @@ threads need). A second process has its own interpreter. It writes the kernels t
                 kernel at once.
 
 Only for a single process with such a backend (kernels.attention.compiles_at_first_call: flash-attn-4 with its disk
-cache on, so a CUDA device); under torchrun each rank would start one. GAPLESS_WARM_ATTENTION=0 turns it off. A
+cache on, so a CUDA device); under torchrun each rank would start one. Not where that cache already holds compiled
+kernels (a machine's later runs: a warm start loads them in about 1 s, run s21-startup, while the child would
+keep the first call waiting for its own imports and CUDA start); a new model's shapes after another's then compile
+at the first step, as without the warm-up. GAPLESS_WARM_ATTENTION=0 turns it off. A
 warm-up that fails or runs past WAIT_S costs nothing but its time: the run's own first call compiles, as without
 it, and the error is in the run folder's attention_warmup.log.
 """
@@ -75,13 +78,20 @@ def spec(model, rows: int, seq_len: int, dtype: torch.dtype, device: torch.devic
             "layers": [[layer.self_attn.sliding_window, layer.self_attn.scale] for layer in model.model.layers]}
 
 
+def kernels_cached(attn_fn) -> bool:
+    """Whether attn_fn's kernel cache (its `kernel_cache` folder) already holds compiled kernels (*.o)."""
+    folder = getattr(attn_fn, "kernel_cache", None)
+    return folder is not None and Path(folder).is_dir() and next(Path(folder).rglob("*.o"), None) is not None
+
+
 def start(model, data, dtype: torch.dtype, device: torch.device, run_dir: Path, on_done=None) -> WarmUp | None:
     """The warm-up process for `model`'s attention (module docstring), or None where its backend compiles nothing
-    at a first call or GAPLESS_WARM_ATTENTION=0. `data`: the DataConfig (rows of max_seq_len slots; 1 row where
-    tokens_per_batch is still "auto"). on_done(warm_up) runs once it was waited for."""
+    at a first call, its kernel cache already holds kernels, or GAPLESS_WARM_ATTENTION=0. `data`: the DataConfig
+    (rows of max_seq_len slots; 1 row where tokens_per_batch is still "auto"). on_done(warm_up) runs once it was
+    waited for."""
     from gapless.kernels.attention import compiles_at_first_call, wait_before_first_call
 
-    if os.environ.get(OFF) == "0" or not compiles_at_first_call(model.attn_fn):
+    if os.environ.get(OFF) == "0" or not compiles_at_first_call(model.attn_fn) or kernels_cached(model.attn_fn):
         return None
     rows = data.tokens_per_batch // data.max_seq_len if isinstance(data.tokens_per_batch, int) else 1
     log = run_dir / LOG
