@@ -104,7 +104,7 @@ def test_a_run_starts_the_warm_up_before_the_load_and_waits_for_it(base, uninter
         calls.append(time.perf_counter())
         return sdpa_reference(q, k, v, **kwargs)
 
-    first_call_compiles.compiles_at_first_call = True
+    first_call_compiles.kernel_cache = base["root"] / "no_kernels"  # compiles at its first call, nothing cached yet
     first_call_compiles.first_call_waits = waits
     wait, assemble = WarmUp.wait, assemble_mod.assemble
 

@@ -130,8 +130,9 @@ def compiles_once(attn_fn: AttentionFn) -> bool:
 def compiles_at_first_call(attn_fn: AttentionFn) -> bool:
     """Whether attn_fn's kernels are compiled when a layout is first met and kept in a disk cache (flash-attn-4's CuTe
     DSL kernels, about 10 s of a cold start on an H100, run s19-startup2; its cache on, as gapless asks unless the
-    user turned it off), so a first call made in another process beforehand pays (gapless.train.warm_attention)."""
-    return getattr(attn_fn, "compiles_at_first_call", False)
+    user turned it off), so a first call made in another process beforehand pays (gapless.train.warm_attention):
+    those backends name that folder as their `kernel_cache`."""
+    return getattr(attn_fn, "kernel_cache", None) is not None
 
 
 def wait_before_first_call(attn_fn: AttentionFn, wait: Callable[[], None]) -> None:
@@ -520,9 +521,9 @@ def _fa4_op_backend() -> AttentionFn:
         return dq, dk, dv
 
     attention = op_attention("fa4_op", varlen_attention_op("fa4_varlen", forward, backward), cuda_fallback="varlen")
-    # its CuTe DSL kernels (compiles_at_first_call), where their disk cache lets a second process compile them
-    attention.compiles_at_first_call = disk_cache is not None
-    attention.kernel_cache = disk_cache  # where they are kept (gapless.train.warm_attention looks there first)
+    # where its CuTe DSL kernels are kept once compiled at a first call (compiles_at_first_call; None: the user turned
+    # the cache off, and a second process's compile would not reach this one)
+    attention.kernel_cache = disk_cache
     return attention
 
 

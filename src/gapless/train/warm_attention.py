@@ -19,9 +19,9 @@ Only for a single process with such a backend (kernels.attention.compiles_at_fir
 cache on, so a CUDA device); under torchrun each rank would start one. Not where that cache already holds compiled
 kernels (a machine's later runs: a warm start loads them in about 1 s, run s21-startup, while the child would
 keep the first call waiting for its own imports and CUDA start); a new model's shapes after another's then compile
-at the first step, as without the warm-up. GAPLESS_WARM_ATTENTION=0 turns it off. A
-warm-up that fails or runs past WAIT_S costs nothing but its time: the run's own first call compiles, as without
-it, and the error is in the run folder's attention_warmup.log.
+at the first step, as without the warm-up. GAPLESS_WARM_ATTENTION=0 turns it off. A warm-up that fails or runs
+past WAIT_S costs nothing but its time: the run's own first call compiles, as without it, and the error is in the
+run folder's attention_warmup.log.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def spec(model, rows: int, seq_len: int, dtype: torch.dtype, device: torch.devic
 
 
 def kernels_cached(attn_fn) -> bool:
-    """Whether attn_fn's kernel cache (its `kernel_cache` folder) already holds compiled kernels (*.o)."""
-    folder = getattr(attn_fn, "kernel_cache", None)
-    return folder is not None and Path(folder).is_dir() and next(Path(folder).rglob("*.o"), None) is not None
+    """Whether the kernel cache of a backend that compiles at its first call already holds compiled kernels (*.o)."""
+    folder = Path(attn_fn.kernel_cache)
+    return folder.is_dir() and next(folder.rglob("*.o"), None) is not None
 
 
 def start(model, data, dtype: torch.dtype, device: torch.device, run_dir: Path, on_done=None) -> WarmUp | None:
