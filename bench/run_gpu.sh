@@ -136,6 +136,14 @@ START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) - $1 )); }  # seconds left, less a reserve of $1
 at_least() { local s; s=$(left "$1"); echo $(( s > 20 ? s : 20 )); }  # `timeout 0` would mean no limit at all
 
+startup_logs() {  # startup_logs DIR: bench/startup_gpu.py's logs, and gapless.train.warm_attention's per start
+  mkdir -p "$1"
+  cp /tmp/gapless-startup/*.log "$1"/ 2>/dev/null
+  for f in /tmp/gapless-startup/runs/*/attention_warmup.log; do
+    [[ -f $f ]] && cp "$f" "$1/attention_warmup-$(basename "$(dirname "$f")").log"
+  done
+}
+
 bench() {  # bench RESERVE_S ARGS...: one gapless bench process with the time left after RESERVE_S
   local reserve=$1; shift
   local limit; limit=$(left "$reserve")
@@ -173,10 +181,7 @@ elif [[ $MODE == startup ]]; then
   timeout -k 10 "$(left $([[ -n ${STARTUP_ONLY:-} ]] && echo 0 || echo 120))" "$PY" bench/startup_gpu.py \
     --work /tmp/gapless-startup --run-id "$RUN_ID" ${STARTUP_RUNS:+--runs "$STARTUP_RUNS"} \
     ${STARTUP_CPROFILE:+--cprofile "$OUT/warm.prof"} 2>&1 | tee "$OUT/startup.log"
-  cp /tmp/gapless-startup/*.log "$OUT"/ 2>/dev/null
-  for f in /tmp/gapless-startup/runs/*/attention_warmup.log; do  # gapless.train.warm_attention's, per start
-    [[ -f $f ]] && cp "$f" "$OUT/attention_warmup-$(basename "$(dirname "$f")").log"
-  done
+  startup_logs "$OUT"
   if [[ -z ${STARTUP_ONLY:-} ]]; then
     # the staged reader against safetensors' memory map, from the disk (--cold) and from the page cache
     { timeout -k 10 "$(left 90)" "$PY" bench/load_time.py /tmp/gapless-startup/model --threads 8 --repeats 2 --cold
@@ -189,15 +194,11 @@ elif [[ $MODE == startup_ab ]]; then
 gapless.train.warm_attention, torch._inductor.compile_fx, torch._inductor.codegen.triton, transformers; \
 import flash_attn.cute.interface" 2>&1 | tail -3
   for variant in on off; do
-    if [[ $variant == on ]]; then runs=cold_pyc,warm id=$RUN_ID; else runs=cold_pyc id=$RUN_ID-nowarm; fi
-    GAPLESS_WARM_ATTENTION=$([[ $variant == on ]] && echo 1 || echo 0) timeout -k 10 "$(at_least 0)" "$PY" \
+    if [[ $variant == on ]]; then runs=cold_pyc,warm id=$RUN_ID warm=1; else runs=cold_pyc id=$RUN_ID-nowarm warm=0; fi
+    GAPLESS_WARM_ATTENTION=$warm timeout -k 10 "$(at_least 0)" "$PY" \
       bench/startup_gpu.py --work /tmp/gapless-startup --run-id "$id" --runs "$runs" 2>&1 \
       | tee -a "$OUT/startup.log" | grep "^\[startup\]"
-    mkdir -p "/tmp/startup-logs/$variant"
-    cp /tmp/gapless-startup/*.log "/tmp/startup-logs/$variant/" 2>/dev/null
-    for f in /tmp/gapless-startup/runs/*/attention_warmup.log; do
-      [[ -f $f ]] && cp "$f" "/tmp/startup-logs/$variant/attention_warmup-$(basename "$(dirname "$f")").log"
-    done
+    startup_logs "/tmp/startup-logs/$variant"
   done
   tar czf "$OUT/startup-logs.tgz" -C /tmp/startup-logs .
 elif [[ $MODE == profile ]]; then
