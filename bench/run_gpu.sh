@@ -62,6 +62,8 @@
 # the 39 MB of the Llama 3 tokenizer and the shared messages) is unpacked into .carry/ first, so the second fast2 call
 # can carry it beside .whl/fa4b (52 MB) and run `default` and `startup` in one call: `bash bench/run_gpu.sh default
 # && bash bench/run_gpu.sh startup`
+# .whl/xz/fa4.tar.xz (bench/pack_fa4.sh: flash-attn-4's wheels in one 57 MB file) replaces the two calls of
+# .whl/fa4a and .whl/fa4b: any mode, one call, beside .whl/liger, the lengths and .carry/carry.tar.xz (63 MB in all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -113,6 +115,12 @@ if compgen -G ".whl/fa4*/*" > /dev/null; then
     for first in /root/stash/*.whl.part.aa; do cat "${first%.aa}".* > "${first%.part.aa}"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl
   fi
+fi
+# or in one call: .whl/xz/fa4.tar.xz, the same wheels unpacked and packed again with xz's x86 filter (57 MB against
+# the wheels' 100; bench/pack_fa4.sh makes it), so flash-attn-4, liger, the lengths and .carry/carry.tar.xz fit one
+# call's 64 MiB and no call depends on the one before
+if [[ -f .whl/xz/fa4.tar.xz && ! -d /tmp/site/flash_attn ]]; then
+  mkdir -p /tmp/site && tar -xJf .whl/xz/fa4.tar.xz -C /tmp/site
 fi
 # installed by an earlier call on this warm machine too: a later call needs no wheels carried
 if [[ -d /tmp/site/flash_attn ]]; then
