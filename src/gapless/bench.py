@@ -187,6 +187,10 @@ CONFIGS = {
     "default_concat_kernel": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
                                     inductor=(("max_pointwise_cat_inputs", 0),
                                               ("max_complex_pointwise_cat_inputs", 0))),
+    # default with inductor's coordinate-descent tuning of its Triton kernels' blocks (its elementwise and reduction
+    # kernels: about 64 ms of a 471 ms step on an H100, run s19-prof): whether tuned blocks pay beside the heuristics'
+    "default_cdt": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
+                          inductor=(("coordinate_descent_tuning", True),)),
     "default_dropout_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
                                       lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
