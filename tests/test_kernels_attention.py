@@ -263,6 +263,29 @@ def test_auto_backend_picks_fa4_op_where_flash_attn_4_imports(monkeypatch):
         "varlen", "flash-attn-4 is not used for compute capability 8.0")
 
 
+def test_auto_backend_says_when_flash_attn_4_is_installed_but_does_not_import(monkeypatch):
+    """flash-attn-4 present with a dependency missing (session 22's carried files lacked quack-kernels) is not
+    "not installed": auto's reason names the module that failed, so the user fixes that, not the install."""
+    import builtins
+
+    import gapless.kernels.attention as attention
+    from gapless.kernels.attention import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "_varlen_backend", lambda: None)
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):  # flash_attn.cute.interface found, its `import quack` failing
+        if name == "flash_attn.cute.interface":
+            raise ModuleNotFoundError("No module named 'quack'", name="quack")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    name, why = choose_backend(torch.device("cuda"), torch.bfloat16, packed=True, head_dim=128)
+    assert name == "varlen"
+    assert why == "flash-attn-4 is installed but does not import here (ModuleNotFoundError: No module named 'quack')"
+
+
 def test_varlen_names_the_document_limit_of_one_call(monkeypatch):
     """More documents in one micro-batch than flash attention's grid takes (65,535): a ValueError that names
     data.tokens_per_batch, where the kernel failed with "CUDA error: invalid argument" (the batch finder's trial of a

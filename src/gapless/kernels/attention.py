@@ -191,8 +191,8 @@ def choose_backend(device: torch.device, dtype: torch.dtype, packed: bool, softc
         try:
             _fa4_op_backend()
             return "fa4_op", "flash-attn-4 imports and runs on this GPU: the fastest measured"
-        except RuntimeError:
-            reason = "flash-attn-4 is not installed (pip install 'gapless[gpu]' where its wheels exist)"
+        except RuntimeError as e:
+            reason = _fa4_unavailable(e)
     else:
         reason = f"flash-attn-4 is not used for compute capability {capability[0]}.{capability[1]}" + (
             f" or head_dim {head_dim}" if head_dim and head_dim > 128 else "")
@@ -201,6 +201,17 @@ def choose_backend(device: torch.device, dtype: torch.dtype, packed: bool, softc
     except RuntimeError:
         return "sdpa", f"{reason}, and this torch has no varlen_attn"
     return "varlen", reason
+
+
+def _fa4_unavailable(error: RuntimeError) -> str:
+    """Why fa4_op cannot run, from _fa4_op_backend's error: flash-attn-4 absent, or present but failing to import
+    (a dependency missing or broken). Session 22's carried flash-attn-4 lacked quack-kernels, which
+    flash_attn.cute.interface imports, and auto's line said "not installed"."""
+    cause = error.__cause__
+    if isinstance(cause, ModuleNotFoundError) and cause.name in ("flash_attn", "flash_attn.cute",
+                                                                 "flash_attn.cute.interface"):
+        return "flash-attn-4 is not installed (pip install 'gapless[gpu]' where its wheels exist)"
+    return f"flash-attn-4 is installed but does not import here ({type(cause).__name__}: {cause})"
 
 
 def _backends() -> dict[str, Callable[[], AttentionFn]]:
