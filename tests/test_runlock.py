@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gapless.config import load_config, to_dict
-from gapless.train import runlock
+from gapless.train import runlock, warm_attention
 from gapless.train.runlock import RunLock, check_resume, default_output_dir, existing_run, prepare_run_dir
 
 MINIMAL = {"model": {"path": "models/tiny"}, "data": {"sources": [{"path": "train.jsonl"}]}}
@@ -48,6 +48,7 @@ def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path)
     (run / "adapter" / "adapter_config.json").write_text("{}")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "notes.txt").write_text("mine")
+    (run / warm_attention.LOG).write_text("warmed 1 forward and backward call(s) in 10.3 s\n")
     assert existing_run(run) == "metrics.jsonl, checkpoints up to step-00000004, the final adapter/ (a finished run)"
     with pytest.raises(ValueError, match="already holds a run .*--resume.*--overwrite"):
         prepare_run_dir(run, resume=False, overwrite=False)

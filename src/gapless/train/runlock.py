@@ -107,8 +107,10 @@ def prepare_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> No
     if not overwrite:
         raise ValueError(f"output_dir: {run} already holds a run ({held}); continue it with --resume, replace it "
                          "with --overwrite, or give this run another output_dir")
-    # RUN/tensorboard's event files would mix with the new run's; RUN/wandb's runs are each a W&B run of its own: kept
-    for name in ("checkpoints", "metrics.jsonl", "gpu.jsonl", "report.html", "tensorboard"):
+    # RUN/tensorboard's event files would mix with the new run's; RUN/wandb's runs are each a W&B run of its own: kept.
+    # The attention warm-up's log (warm_attention.LOG, named here because the CLI imports this module before torch)
+    # goes too: a new run that starts no warm-up process would otherwise show the old run's (session 22's logs)
+    for name in ("checkpoints", "metrics.jsonl", "gpu.jsonl", "report.html", "tensorboard", "attention_warmup.log"):
         path = run / name
         if path.is_dir():
             shutil.rmtree(path)
