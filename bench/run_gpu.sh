@@ -25,13 +25,13 @@
 #                                  machine: the imports' bytecode primed first (so neither start compiles torch from
 #                                  source), cold_pyc and warm with it (RUN_ID), then cold_pyc with
 #                                  GAPLESS_WARM_ATTENTION=0 (RUN_ID-nowarm: second, so any bytecode the first left
-#                                  favours it); carry .carry/carry.tar.xz after a `stash` call carried .whl/fa4a and
-#                                  with .whl/fa4b; the logs in $OUT/startup-logs.tgz (~200 s)
+#                                  favours it); carry .carry/carry.tar.xz and .whl/xz (or .whl/fa4b after a `stash`
+#                                  call carried .whl/fa4a); the logs in $OUT/startup-logs.tgz (~200 s)
 #   bash bench/run_gpu.sh peer     HF+PEFT+Liger packed on Llama-3.2-3B at PEER_TOKENS (16,384 where the GPU has over
 #                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
-#                                  calls, which carries .whl/fa4a (its part of flash-attn-4 is stashed, see below)
-#   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/fa4b: flash-attn-4 installed, so `auto`
-#                                  runs fa4_op): `default` (LoRA inside the base GEMMs), `default_concat` and
+#                                  calls (with .whl/fa4a its part of flash-attn-4 is stashed, see below)
+#   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/xz, or .whl/fa4b after .whl/fa4a:
+#                                  flash-attn-4 installed, so `auto` runs fa4_op): `default` (LoRA inside the base GEMMs), `default_concat` and
 #                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
 #                                  Llama-3.1-8B (TOKENS_8B: 16,384
 #                                  over 100 GiB, else 8,192) and Llama-3.2-1B (DEFAULT_CONFIGS=none: only those two)
