@@ -31,10 +31,10 @@
 #                                  100 GiB, else 8,192: 16,384 ran out of the H100's 79 GiB); the first of fast2's two
 #                                  calls (with .whl/fa4a its part of flash-attn-4 is stashed, see below)
 #   bash bench/run_gpu.sh default  fast2's targets, the second call (carry .whl/xz, or .whl/fa4b after .whl/fa4a:
-#                                  flash-attn-4 installed, so `auto` runs fa4_op): `default` (LoRA inside the base GEMMs), `default_concat` and
-#                                  `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS picks others), then `default` on
-#                                  Llama-3.1-8B (TOKENS_8B: 16,384
-#                                  over 100 GiB, else 8,192) and Llama-3.2-1B (DEFAULT_CONFIGS=none: only those two)
+#                                  flash-attn-4 installed, so `auto` runs fa4_op): `default` (LoRA inside the base
+#                                  GEMMs), `default_concat` and `default_dropout` on Llama-3.2-3B (DEFAULT_CONFIGS
+#                                  picks others), then `default` on Llama-3.1-8B (TOKENS_8B: 16,384 over 100 GiB, else
+#                                  8,192) and Llama-3.2-1B (DEFAULT_CONFIGS=none: only those two)
 #   bash bench/run_gpu.sh profile  where a `default` and a `default_concat` step go (bench/profile_step.py;
 #                                  PROFILE_CONFIGS picks others, PROFILE_MODEL another model), on a machine where
 #                                  flash-attn-4 is installed (a `default` call before)
