@@ -480,10 +480,10 @@ class _StagedReader:
         self.threads: dict[int, tuple[list[list], torch.cuda.Stream | None]] = {}
 
     def _thread_state(self) -> tuple[list[list], torch.cuda.Stream | None]:
-        state = self.threads.get(threading.get_ident())
-        if state is None:
-            state = self.threads[threading.get_ident()] = self._new_state()
-        return state
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            self.threads[ident] = self._new_state()
+        return self.threads[ident]
 
     def _new_state(self) -> tuple[list[list], torch.cuda.Stream | None]:
         cuda = self.device.type == "cuda"
