@@ -10,9 +10,12 @@ library's blocks and warps (gapless.kernels.lora_dropout), bf16 x, float32 A. Tr
 the GPU machine's triton is 3.6, this box's may be newer; the counts say where conversions arise, the GPU says what
 they cost (bench/dropout_probe.py).
 
-Session 22 on this box (triton 3.9, sm_90): the forward's loop converts 4 times, all from keep_block's joins and
-reshape; the backward's 8 times: the joins' results into two layouts (6), the mask into the dots' accumulator layout
-for dx (1), dx back for its store (1). Both loops wait for their dots at once.
+Compiled as a launch specializes (launch_attrs: pointers aligned, integer arguments at Llama-3.2-3B's q/k/v shape
+divisible by 16), session 23 on this box (triton 3.9, sm_90): the forward's loop converts no layout (x is loaded 8
+bf16 to a thread, the mask is drawn in that layout and its joins stay in registers); the backward's converts 4 times a
+tile: two of the joins' halves, because the mask is built in two layouts (one for x, one for dx), the mask into the
+dots' accumulator layout for dx, and dx back for its store. Both loops wait for their dots at once. Session 22's
+counts (4 and 8) came from a compile without those attributes: unvectorised loads, layouts no launch makes.
 """
 from __future__ import annotations
 
@@ -52,6 +55,14 @@ def loop_lines(ttgir: str) -> list[str]:
     return lines
 
 
+def launch_attrs(signature: dict, values: dict) -> dict:
+    """What a launch specializes on: pointers aligned to 16 bytes (torch's allocations are) and integer arguments
+    divisible by 16 at Llama-3.2-3B's shapes, as Triton's launcher marks them ("tt.divisibility" 16). Without these
+    the loads are not vectorised and the layouts differ from the GPU's."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+            if kind.startswith("*") or values.get(name, 1) % 16 == 0}
+
+
 def summary(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     body = loop_lines(ttgir)
@@ -71,6 +82,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     rounds = kernels.PHILOX_ROUNDS
+    n, k, r = 16384, 3072, 48  # Llama-3.2-3B's q/k/v A at 16,384 tokens
+    _, k_per_split = lora_dropout._forward_splits(k, lora_dropout.FWD_BLOCK_K, lora_dropout.FWD_SPLIT_K)
+    _, rows_per_split = lora_dropout._backward_splits(n, k, lora_dropout.BWD_BLOCK_M, lora_dropout.BWD_BLOCK_K,
+                                                      lora_dropout.BACKWARD_PROGRAMS)
+    values = dict(N=n, K=k, R=r, k_per_split=k_per_split, rows_per_split=rows_per_split,
+                  threshold=lora_dropout.keep_threshold(0.05))
     jobs = {
         "forward": (kernels.dropout_xa_kernel, FORWARD_SIGNATURE,
                     dict(BLOCK_M=lora_dropout.FWD_BLOCK_M, BLOCK_K=lora_dropout.FWD_BLOCK_K, BLOCK_R=64, IEEE=False,
@@ -81,7 +98,8 @@ def main(argv=None) -> int:
     }
     print(f"triton {triton.__version__}, sm_{args.arch}, BLOCK_R 64 (q/k/v's R 48), {rounds} Philox rounds")
     for name, (fn, signature, constants, warps) in jobs.items():
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target,
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=launch_attrs(signature, values))
+        compiled = triton.compile(source, target=target,
                                   options={"num_warps": warps})
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in summary(compiled).items()))
         if args.ttgir:
