@@ -107,6 +107,39 @@ def test_compile_layers_starts_torchs_source_hash_in_the_background(monkeypatch,
         assert ran.wait(10) and started == ["gapless-torch-key"]
 
 
+def test_the_first_layer_call_waits_for_the_background_source_hash(monkeypatch):
+    """Without torch_key.prefetch (torch 2.11) the hash runs in a thread and torch's cache has no lock: the first
+    layer call, which compiles, waits for the thread rather than hashing a second time beside it."""
+    import threading
+
+    from torch._inductor import codecache
+
+    import gapless.train.compile as compile_module
+    from gapless.model.decoder import CausalLM
+    from gapless.model.loading import model_args_from_config
+
+    order = []
+    release = threading.Event()
+
+    def key():
+        release.wait(10)
+        order.append("key")
+        return b"key"
+
+    def settings(compiled):
+        return lambda *args, **kwargs: order.append("layer")
+
+    monkeypatch.setattr(codecache, "torch_key", key)
+    monkeypatch.setattr(compile_module, "compile_settings", settings)
+    args = model_args_from_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    model = compile_module.compile_layers(CausalLM(args), backend="eager")
+    threading.Timer(0.2, release.set).start()
+    model.model.layers[0]._compiled_call_impl()
+    model.model.layers[0]._compiled_call_impl()
+    assert order == ["key", "layer", "layer"]
+
+
 def test_compile_layers_passes_inductors_options_this_torch_knows(monkeypatch):
     """compile_layers' `options` (the bench's Recipe.inductor) reach torch.compile for every layer, without the
     names this torch's inductor does not have (torch.compile would refuse them), which a warning names; none given:

@@ -27,19 +27,37 @@ def use_compile_cache(folder: Path = COMPILE_CACHE) -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def prefetch_torch_key() -> None:
+def prefetch_torch_key() -> Callable[[], None]:
     """Start inductor's hash of torch's own sources (codecache.torch_key, part of every cache key) in the background,
     so it runs while the weights load instead of inside the first compile: a cold start-up of the example 3B config
     spent 5.4 s in it on a fresh H100 machine (run s19-startup2), 0.25 s on this repository's CPU box with torch's
     files in the page cache. Where torch has torch_key.prefetch (2.13 does) its own worker runs it and a caller waits
-    for it; elsewhere a daemon thread fills torch_key's cache the same way."""
+    for it; elsewhere a daemon thread fills torch_key's cache the same way.
+
+    Returns what to call before the first compile: the thread's join. torch 2.11's torch_key cache has no lock, so a
+    compile that asked while the thread still hashed would hash torch's sources a second time beside it."""
     from torch._inductor import codecache
 
     key = codecache.torch_key
     if hasattr(key, "prefetch"):
         key.prefetch()
-    else:
-        threading.Thread(target=key, name="gapless-torch-key", daemon=True).start()
+        return lambda: None
+    thread = threading.Thread(target=key, name="gapless-torch-key", daemon=True)
+    thread.start()
+    return thread.join
+
+
+def after(first: Callable[[], None], fn: Callable) -> Callable:
+    """`fn`, calling `first` once before its first call."""
+    pending = [first]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if pending:
+            pending.pop()()
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def compile_layers(model: nn.Module, options: dict | None = None, **compile_kwargs) -> nn.Module:
@@ -72,10 +90,13 @@ def compile_layers(model: nn.Module, options: dict | None = None, **compile_kwar
         if known:
             compile_kwargs["options"] = known
     use_compile_cache()
-    prefetch_torch_key()  # compile_layers runs before the weights load (gapless.train.assemble)
+    key_ready = prefetch_torch_key()  # compile_layers runs before the weights load (gapless.train.assemble)
     for layer in model.model.layers:
         layer.compile(**compile_kwargs)
         layer._compiled_call_impl = compile_settings(layer._compiled_call_impl)
+    # the first compile happens inside layer 0's first call; evaluation's compiles come later still
+    first = model.model.layers[0]
+    first._compiled_call_impl = after(key_ready, first._compiled_call_impl)
     # the fused loss's per-chunk softmax/gradient step (gapless.kernels.loss): the Triton kernel on CUDA where triton
     # imports, torch.compile of the step elsewhere
     model.loss_step = "auto"
