@@ -83,7 +83,7 @@ def test_gemma3_config_forms_read_alike():
         "rope_type": "linear", "factor": 2.0}}}, r"rope_parameters\.sliding_attention: the sliding layers' RoPE"),
     ({"model_type": "gemma3_text", "layer_types": ["sliding_attention"]}, "layer_types: expected 7 entries"),
     ({"model_type": "gemma3"}, "text_config: a gemma3 checkpoint keeps its decoder's fields here"),
-    ({"model_type": "gemma3", "text_config": {"hidden_size": 64}}, r"text_config\.num_attention_heads: required"),
+    ({"model_type": "gemma3", "text_config": {"hidden_size": "64"}}, r"text_config\.hidden_size: expected a positive"),
 ])
 def test_config_mistakes_name_the_field(config, message):
     with pytest.raises(ValueError, match=message):
@@ -135,3 +135,39 @@ def test_bench_gemma_3_4b_reads_as_transformers_reads_it():
     assert (args.rope_theta, args.rope_scaling.rope_type, args.rope_scaling.factor) == (1e6, "linear", 8.0)
     # 3.88e9 weights in matmuls: 34 layers of 97.0M plus the 262208 x 2560 head (tied to the embedding)
     assert matmul_weights(args) == 34 * (2560 * (2048 + 1024 + 1024 + 2048) + 3 * 2560 * 10240) + 262208 * 2560
+
+
+# google/gemma-3-4b-it's config.json as the hub has it (transformers 4.50 wrote it): its text_config holds only the
+# fields that differ from Gemma3TextConfig's defaults, so the vocabulary, heads, KV heads and head_dim are absent
+GEMMA_3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_gemma3_image_text_config_with_its_text_defaults_left_out():
+    """The hub's Gemma 3 image-text configs leave the text config's default sizes out; transformers fills them in
+    (it read as text_config.num_attention_heads: required field is missing)."""
+    import transformers
+
+    from gapless.model.loading import read_model_args
+
+    with pytest.warns(UserWarning, match="vision tower"):
+        args = model_args_from_config(GEMMA_3_4B_IT)
+    hf = transformers.Gemma3Config(**GEMMA_3_4B_IT).text_config
+    assert (args.vocab_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (
+        hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (262208, 8, 4, 256)
+    with pytest.warns(UserWarning, match="vision tower"):
+        saved = model_args_from_config(transformers.Gemma3Config(**GEMMA_3_4B_IT).to_dict())
+    assert dataclasses.replace(args, **UNUSED) == dataclasses.replace(saved, **UNUSED)
+    # the same decoder as bench/models/gemma-3-4b, the text-only form of this model
+    assert dataclasses.replace(args, **UNUSED) == dataclasses.replace(
+        read_model_args("bench/models/gemma-3-4b"), model_type="gemma3", **UNUSED)

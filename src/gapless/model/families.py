@@ -86,6 +86,11 @@ _GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", activation_field="
               windows="layer_types")
 _GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096}
+# Gemma3TextConfig's sizes: an image-text config saved by transformers 4.x writes only the text_config fields that
+# differ from the defaults (google/gemma-3-4b-it's names no vocab_size, heads, KV heads or head_dim), and transformers
+# reads the rest as these. Top-level configs are saved whole, so the text-only families need none.
+_GEMMA3_TEXT_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                      "num_attention_heads": 8, "num_key_value_heads": 4}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", attention_bias_on=_ATTENTION, mlp_bias_on=_MLP, defaults=_LLAMA_DEFAULTS),
@@ -100,7 +105,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
     Family("gemma3", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, text_config=True,
            checkpoint_prefix="language_model.", decoder_module="model.language_model",
-           defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
+           defaults={**_GEMMA_DEFAULTS, **_GEMMA3_TEXT_SIZES, "rope_theta": 1_000_000.0,
+                     "rope_local_base_freq": 10000.0}),
 )}
 
 

@@ -148,10 +148,11 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
             warnings.warn(f"{where}: {f.prefix}{name}={config[name]} is ignored, as transformers' {model_type} "
                           "model ignores it", stacklevel=2)
 
-    hidden = f.integer("hidden_size")
-    heads = f.integer("num_attention_heads")
-    layers = f.integer("num_hidden_layers")
-    kv_heads = f.integer("num_key_value_heads", heads)
+    # the sizes are required unless the family's config class has defaults for them (Gemma 3's text_config)
+    hidden = f.integer("hidden_size", defaults.get("hidden_size", _MISSING))
+    heads = f.integer("num_attention_heads", defaults.get("num_attention_heads", _MISSING))
+    layers = f.integer("num_hidden_layers", defaults.get("num_hidden_layers", _MISSING))
+    kv_heads = f.integer("num_key_value_heads", defaults.get("num_key_value_heads", heads))
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
     head_dim = f.integer("head_dim", defaults.get("head_dim"))
@@ -172,9 +173,9 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         biases |= set(fam.mlp_bias_on)
     return ModelArgs(
         model_type=model_type,
-        vocab_size=f.integer("vocab_size"),
+        vocab_size=f.integer("vocab_size", defaults.get("vocab_size", _MISSING)),
         hidden_size=hidden,
-        intermediate_size=f.integer("intermediate_size"),
+        intermediate_size=f.integer("intermediate_size", defaults.get("intermediate_size", _MISSING)),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
