@@ -404,3 +404,33 @@ def test_gemma3_adapter_of_older_transformers_and_with_exclude_modules(gemma3_ch
     save_file(renamed, old / "adapter_model.safetensors", metadata={"format": "pt"})
     with torch.no_grad():  # and PEFT loads it too, renaming the keys
         assert_close(peft.PeftModel.from_pretrained(hf, old).eval()(input_ids=ids).logits, expected, **TOL)
+
+
+def test_a_run_checks_the_text_config_of_an_image_text_checkpoint(tmp_path):
+    """`gapless train` checks data.max_seq_len and the tokenizer's size against the decoder's config, which Gemma 3's
+    image-text checkpoints keep under text_config: both checks read the top level and were skipped (an index error
+    in the embedding at step 1 instead)."""
+    import transformers
+
+    from gapless import demo_task
+    from gapless.config import load_config
+    from gapless.train.loop import train
+
+    n = demo_task.vocab_size()
+    text = dict(vocab_size=n - 4, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, num_hidden_layers=2, max_position_embeddings=32, sliding_window=4)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=n - 5, boi_token_index=n - 7, eoi_token_index=n - 6)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "base")
+    tokenizer = demo_task.write_tokenizer(tmp_path / "tokenizer")
+    data = demo_task.write_jsonl(demo_task.make_examples(8, seed=1), tmp_path / "train.jsonl")
+    cfg = load_config(data={
+        "model": {"path": str(tmp_path / "base"), "dtype": "float32", "device": "cpu"},
+        "data": {"sources": [{"path": str(data), "format": "messages"}], "tokenizer": str(tokenizer),
+                 "max_seq_len": 64, "tokens_per_batch": 128, "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+        "lora": {"r": 4, "alpha": 8}, "train": {"steps": 1}, "output_dir": str(tmp_path / "run"), "progress": False})
+    with pytest.warns(UserWarning, match="max_seq_len: 64 is above the model's max_position_embeddings 32"), \
+            pytest.raises(ValueError, match=f"has {n} tokens, the model's embedding has {n - 4} rows"):
+        train(cfg)

@@ -251,7 +251,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
           parallel: Dist = Dist()) -> Run:
     """The run folder, the data, the model as the method makes it, the optimizer: everything before step 1."""
     from gapless.data.pipeline import build_data
-    from gapless.model.loading import build, read_config, resolve_dtype
+    from gapless.model.loading import build, read_model_args, resolve_dtype
     from gapless.train import warm_attention
     from gapless.train.assemble import assemble
 
@@ -262,16 +262,17 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     if parallel.is_main:  # after train's checks
         write_run_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
-    # the settings that need the model's config.json, before the model is built or any data is tokenized
-    model_config = read_config(cfg.model.path)
-    cfg.check_model(model_config)
+    # the settings that need the model's config.json, before the model is built or any data is tokenized; its fields
+    # as the model reads them (an image-text checkpoint, Gemma 3's, keeps them under text_config or leaves them out)
+    model_args = read_model_args(cfg.model.path)
+    cfg.check_model({"max_position_embeddings": model_args.max_position_embeddings})
 
     # -- data, started first in one process: tokenizing (worker processes, or the token cache) runs beside the
     # model's loading and is waited for after it (the example 3B config cold on an H100: data 16.5 s, load 7.5 s, one
     # after the other, run s17-startup-norblock). Under torchrun rank 0 fills the cache after the model, the others
     # then read it (below).
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-    vocab_size = model_config.get("vocab_size")
+    vocab_size = model_args.vocab_size
     beside = None
     if data is None and not parallel.active:
         beside = DataBeside(cfg.data, tokenizer_dir, vocab_size)
