@@ -459,3 +459,17 @@ def test_parallel_load_straight_to_cuda_equals_the_host_load(hf_checkpoint, tmp_
     cuda = load_weights(build(folder), "bfloat16", "cuda", threads=4)
     assert {p.device.type for p in cuda.parameters()} == {"cuda"}
     _assert_bitwise_equal({k: v.cpu() for k, v in _loaded_state(cuda).items()}, _loaded_state(host))
+
+
+def test_a_peft_adapter_folder_given_as_the_model_names_its_base(hf_checkpoint, tmp_path):
+    """An adapter folder (adapter_config.json, no config.json) is a common model.path mistake: the error names the
+    base model to load instead (it advised copying config.json in, after which the weights were missing)."""
+    from gapless.config import LoraConfig
+    from gapless.model.lora import apply_lora, save_adapter
+
+    _, folder = hf_checkpoint("llama")
+    save_adapter(apply_lora(gapless.load_model(folder), LoraConfig(r=2, alpha=4)), tmp_path / "adapter",
+                 base_model_name_or_path="meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match=r"adapter: a PEFT adapter \(adapter_config\.json\), not a model; load its base "
+                                         r"model 'meta-llama/Llama-3.2-1B'"):
+        gapless.load_model(tmp_path / "adapter")

@@ -51,6 +51,14 @@ def read_config(folder: str | Path) -> dict:
     if not folder.is_dir():
         raise ValueError(f"{folder}: not a folder; pass the path of an HF checkpoint folder "
                          "(config.json + model.safetensors)")
+    if not path.is_file() and (folder / "adapter_config.json").is_file():
+        # an adapter folder given as the model (a hub LoRA, a run's adapter/): copying a config.json in would not help
+        try:
+            base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (json.JSONDecodeError, AttributeError):
+            base = None
+        raise ValueError(f"{folder}: a PEFT adapter (adapter_config.json), not a model; load its base model "
+                         f"{base!r} (its base_model_name_or_path) and the adapter on it")
     if not path.is_file():
         raise ValueError(f"{path}: not found; an HF checkpoint folder needs config.json beside its "
                          "*.safetensors weights (copy it from the model's source)")
