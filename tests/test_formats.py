@@ -261,3 +261,28 @@ def test_drop_system_message_drops_the_leading_system_turn_only(tmp_path):
         examples(SourceConfig(path=str(tmp_path / "t.jsonl"), drop_system_message=True))
     with pytest.raises(ValueError, match="source.drop_system_message: format text has no system turn"):
         from_dict(SourceConfig, {"path": "t.jsonl", "format": "text", "drop_system_message": True}, "source")
+
+
+def test_a_utf8_bom_and_crlf_line_ends_read_in_every_text_file_type(tmp_path):
+    """Windows tools write both: PowerShell's and Notepad's UTF-8 a BOM, Excel's "CSV UTF-8" a BOM and CRLF. A JSON
+    array behind a BOM was read as JSON lines (every line a malformed record); a CSV's BOM opened its first column's
+    name ('\\ufeffmessages'), so no format matched."""
+    bom = b"\xef\xbb\xbf"
+    files = {
+        "a.jsonl": bom + b"\r\n" + "".join(json.dumps(r) + "\r\n" for r in RECORDS).encode(),  # a blank first line
+        "b.json": bom + json.dumps(RECORDS, indent=2).replace("\n", "\r\n").encode(),
+        "c.json": bom + json.dumps(RECORDS[0]).encode(),
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with open(tmp_path / "d.csv", "w", newline="", encoding="utf-8-sig") as f:  # csv's default line end is \r\n
+        w = csv.writer(f)
+        w.writerow(["messages"])
+        for r in RECORDS:
+            w.writerow([json.dumps(r["messages"])])
+    want = [r["messages"] for r in RECORDS]
+    for name, lines in [("a.jsonl", ["2", "3"]), ("b.json", ["2", "18"]), ("c.json", ["1"]), ("d.csv", ["2", "3"])]:
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert all(isinstance(e, Example) for e in got), [str(e) for e in got]
+        assert [e.messages for e in got] == want[:len(lines)], name
+        assert [e.where.rsplit(":", 1)[1] for e in got] == lines, name

@@ -172,13 +172,14 @@ def _jsonl_rows(file: Path, lines: Iterable[str | RecordError]):
         if isinstance(line, RecordError):
             yield line.where, line
             continue
+        if n == 1:  # a UTF-8 BOM (Windows editors), also before a blank first line
+            line = line.removeprefix("\ufeff")
         if not line.strip():
             continue
         where = f"{file}:{n}"
         try:
             # without the line's end, so a record that breaks off is located on its own line (e.colno)
-            line = line.rstrip("\r\n")
-            row = json.loads(line.removeprefix("\ufeff") if n == 1 else line)  # a UTF-8 BOM (Windows editors)
+            row = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             yield where, RecordError(where, None, MALFORMED_JSON, f"not valid JSON ({e.msg} at column {e.colno})")
             continue
@@ -203,6 +204,8 @@ def _json_rows(file: Path):
         raise ValueError(f"{file}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
                          "re-encode the file as UTF-8") from None
     del data
+    # a UTF-8 BOM (PowerShell's and Notepad's UTF-8): json.loads refuses it, and each line read as a bad record
+    text = text.removeprefix("\ufeff")
     i = _WS.match(text).end()
     if not text.startswith("[", i):
         try:
@@ -238,7 +241,8 @@ def _json_rows(file: Path):
 def _csv_rows(file: Path):
     with open(file, "rb") as f:
         _refuse_binary(file, f.read(8192))
-    with open(file, newline="", encoding="utf-8") as f:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would otherwise open the first column's name
+    with open(file, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         start = 1
         try:
