@@ -286,3 +286,23 @@ def test_a_utf8_bom_and_crlf_line_ends_read_in_every_text_file_type(tmp_path):
         assert all(isinstance(e, Example) for e in got), [str(e) for e in got]
         assert [e.messages for e in got] == want[:len(lines)], name
         assert [e.where.rsplit(":", 1)[1] for e in got] == lines, name
+
+
+def test_null_keys_of_a_datasets_export_are_absent_ones(tmp_path):
+    """datasets' to_json and to_parquet give every turn every key that any turn has, null where it had none: OpenAI's
+    weight 0 on one answer made `"weight": null` on every other turn, each record refused as a bad weight."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no", "weight": 0},
+             {"role": "user", "content": "again"},
+             {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]}]
+    keys = ["role", "content", "weight", "tool_calls"]
+    exported = [{k: t.get(k) for k in keys} for t in turns]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"messages": exported}) + "\n")
+    pq.write_table(pa.table({"messages": [exported]}), tmp_path / "b.parquet")
+    for name in ("a.jsonl", "b.parquet"):
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert isinstance(got[0], Example), str(got[0])
+        assert got[0].messages == turns, name

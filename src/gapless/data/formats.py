@@ -440,7 +440,9 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
     if content is not None and not isinstance(content, str):
         raise RecordError(where, f"{field}.{content_key}", BAD_VALUE,
                           f"expected a string, got {type(content).__name__}")
-    message = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
+    # a null key is an absent one: datasets' exports (to_json, to_parquet) give every turn every key of any turn,
+    # null where it had none (`"weight": null` beside OpenAI's weight 0, `"tool_calls": null`, `"name": null`)
+    message = {k: v for k, v in turn.items() if k not in (role_key, content_key) and v is not None}
     if "weight" in message:  # OpenAI's fine-tuning format: an assistant message of weight 0 is not trained
         weight = message["weight"]
         if isinstance(weight, bool) or weight not in (0, 1):
