@@ -306,3 +306,22 @@ def test_null_keys_of_a_datasets_export_are_absent_ones(tmp_path):
         got = examples(SourceConfig(path=str(tmp_path / name)))
         assert isinstance(got[0], Example), str(got[0])
         assert got[0].messages == turns, name
+
+
+def test_openai_legacy_function_calling_and_developer_role_read_as_tools(tmp_path):
+    """OpenAI's fine-tuning files from before tool_calls (an assistant `function_call` beside a null content, role
+    `function`, top-level `functions`) and its `developer` role were refused: a missing content, an unknown role."""
+    call = {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    spec = {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    legacy = {"functions": [spec], "messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "weather", "content": "rain"}, {"role": "assistant", "content": "Rain."}]}
+    (tmp_path / "legacy.jsonl").write_text(json.dumps(legacy) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "legacy.jsonl")))[0]
+    assert isinstance(got, Example), str(got)
+    assert got.messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "name": "weather", "content": "rain"}, {"role": "assistant", "content": "Rain."}]
+    assert got.tools == [{"type": "function", "function": spec}]

@@ -8,7 +8,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   text               {"text"} for continued pre-training
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
 lists of turns (TRL's conversational prompt-completion). An assistant turn may carry OpenAI's `weight`: 0 leaves it
-out of the loss (data.train_on: assistant, last_assistant), 1 is the default.
+out of the loss (data.train_on: assistant, last_assistant), 1 is the default. OpenAI's legacy function calling (an
+assistant `function_call`, role `function`, top-level `functions`) reads as tool_calls, role tool and tools.
 Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
 (.jsonl.gz); globs;
 folders of such files; folders written by datasets' `save_to_disk`.
@@ -35,6 +36,8 @@ from gapless.config import SourceConfig
 DEFAULT_ROLES = {
     "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
     "human": "user", "gpt": "assistant", "function_call": "tool_call", "observation": "tool",
+    # OpenAI's: `developer` is the system role of its newer models, `function` the tool result of its legacy functions
+    "developer": "system", "function": "tool",
 }
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
             ".csv": "csv", ".arrow": "arrow"}
@@ -368,7 +371,10 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         turns = _json_list(field("messages"), "messages", where)
         messages = [_message(t, i, "messages", columns.get("role", "role"), columns.get("content", "content"),
                              roles, where) for i, t in enumerate(turns)]
-        return Example(where, messages=messages, tools=_tools(field("tools", False), where))
+        tools = field("tools", False)
+        if tools is None and isinstance(row.get("functions"), list):  # OpenAI's legacy function definitions
+            tools = [{"type": "function", "function": f} for f in row["functions"]]
+        return Example(where, messages=messages, tools=_tools(tools, where))
     if fmt == "sharegpt":
         turns = _json_list(field("conversations"), "conversations", where)
         messages = [_message(t, i, "conversations", columns.get("from", "from"), columns.get("value", "value"),
@@ -435,6 +441,10 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
     content = turn.get(content_key)
     if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
         content = _text_parts(content, where, f"{field}.{content_key}")
+    if isinstance(turn.get("function_call"), dict) and not turn.get("tool_calls"):
+        # OpenAI's legacy function calling: one call, {"name", "arguments"}, beside a null content; as tool_calls
+        turn = {**{k: v for k, v in turn.items() if k != "function_call"},
+                "tool_calls": [{"type": "function", "function": turn["function_call"]}]}
     if content is None and not turn.get("tool_calls"):
         raise RecordError(where, f"{field}.{content_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
     if content is not None and not isinstance(content, str):
