@@ -325,3 +325,20 @@ def test_openai_legacy_function_calling_and_developer_role_read_as_tools(tmp_pat
         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
         {"role": "tool", "name": "weather", "content": "rain"}, {"role": "assistant", "content": "Rain."}]
     assert got.tools == [{"type": "function", "function": spec}]
+
+
+def test_turn_keys_and_list_names_as_hub_datasets_mix_them(tmp_path):
+    """ShareGPT's from/value turns under `messages`, role/content turns under `conversations`, and lmsys-chat-1m's
+    and WildChat's `conversation`: each was refused (a missing role or from; no format detected)."""
+    want = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    sharegpt = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    rows = {"a.jsonl": {"messages": sharegpt}, "b.jsonl": {"conversations": want},
+            "c.jsonl": {"conversation_id": "x", "model": "m", "conversation": want, "turn": 1}}
+    for name, row in rows.items():
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert isinstance(got[0], Example), str(got[0])
+        assert got[0].messages == want, name
+    # mapped keys are kept to: a turn without them is named
+    got = examples(SourceConfig(path=str(tmp_path / "b.jsonl"), format="sharegpt", columns={"from": "speaker"}))
+    assert "conversations[0].speaker: missing" in str(got[0])

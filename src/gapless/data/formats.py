@@ -3,6 +3,8 @@
 Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, renamed by `columns`):
   messages           {"messages": [{"role", "content"}, ...], "tools"?}
   sharegpt           {"conversations": [{"from", "value"}, ...], "tools"?, "system"?}; roles mapped
+                     (`conversation` too; unmapped, either format's turns may be {"role", "content"} or
+                     {"from", "value"})
   alpaca             {"instruction", "input"?, "output" (or "response"), "system"?}
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
@@ -337,7 +339,8 @@ def _bounded(ex: Example) -> Example:
 
 def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     col = columns.get
-    for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("alpaca", ["instruction"]),
+    for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
+                      ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
         if all(col(k, k) in row for k in keys):
             return fmt
@@ -369,16 +372,18 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         return Example(where, text=text("text"))
     if fmt == "messages":
         turns = _json_list(field("messages"), "messages", where)
-        messages = [_message(t, i, "messages", columns.get("role", "role"), columns.get("content", "content"),
-                             roles, where) for i, t in enumerate(turns)]
+        messages = [_message(t, i, "messages", *_turn_keys(t, columns, "role"), roles, where)
+                    for i, t in enumerate(turns)]
         tools = field("tools", False)
         if tools is None and isinstance(row.get("functions"), list):  # OpenAI's legacy function definitions
             tools = [{"type": "function", "function": f} for f in row["functions"]]
         return Example(where, messages=messages, tools=_tools(tools, where))
     if fmt == "sharegpt":
-        turns = _json_list(field("conversations"), "conversations", where)
-        messages = [_message(t, i, "conversations", columns.get("from", "from"), columns.get("value", "value"),
-                             roles, where) for i, t in enumerate(turns)]
+        # lmsys-chat-1m and WildChat name the list `conversation`
+        name = ("conversation" if "conversations" not in columns and "conversations" not in row
+                and "conversation" in row else "conversations")
+        turns = _json_list(field(name), name, where)
+        messages = [_message(t, i, name, *_turn_keys(t, columns, "from"), roles, where) for i, t in enumerate(turns)]
         system = text("system", False)
         return Example(where, messages=([{"role": "system", "content": system}] if system else []) + messages,
                        tools=_tools(field("tools", False), where))
@@ -396,8 +401,8 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
                 if not isinstance(value, list):
                     raise RecordError(where, name, BAD_VALUE, f"expected a list of turns like the other field, got "
                                       f"{type(value).__name__}")
-                turns[name] = [_message(t, i, name, columns.get("role", "role"), columns.get("content", "content"),
-                                        roles, where) for i, t in enumerate(_json_list(value, name, where))]
+                turns[name] = [_message(t, i, name, *_turn_keys(t, columns, "role"), roles, where)
+                               for i, t in enumerate(_json_list(value, name, where))]
             system = text("system", False)
             return Example(where, messages=([{"role": "system", "content": system}] if system else [])
                            + turns["prompt"] + turns["completion"])
@@ -421,6 +426,22 @@ def _json_list(value: Any, name: str, where: str) -> list:
     if not value:
         raise RecordError(where, name, EMPTY_CONVERSATION, "empty conversation")
     return value
+
+
+# a format's turn keys (role, content) -> the other common pair
+OTHER_TURN_KEYS = {"role": ("from", "value"), "from": ("role", "content")}
+
+
+def _turn_keys(turn: Any, columns: dict[str, str], role: str) -> tuple[str, str]:
+    """A turn's role and content keys: the format's (`role` and `content`, ShareGPT's `from` and `value`) or the
+    columns' mapping; where neither is mapped, the other pair when the turn has it and not the format's (hub datasets
+    put ShareGPT turns under `messages` and role/content turns under `conversations`)."""
+    content = {"role": "content", "from": "value"}[role]
+    keys = columns.get(role, role), columns.get(content, content)
+    if role in columns or content in columns or not isinstance(turn, dict) or keys[0] in turn:
+        return keys
+    other = OTHER_TURN_KEYS[role]
+    return other if other[0] in turn else keys
 
 
 def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, roles: dict[str, str],
