@@ -342,3 +342,22 @@ def test_turn_keys_and_list_names_as_hub_datasets_mix_them(tmp_path):
     # mapped keys are kept to: a turn without them is named
     got = examples(SourceConfig(path=str(tmp_path / "b.jsonl"), format="sharegpt", columns={"from": "speaker"}))
     assert "conversations[0].speaker: missing" in str(got[0])
+
+
+def test_alpaca_variants_keep_every_part_of_the_prompt(tmp_path):
+    """Dolly's `context` and LLaMA-Factory's `history` were read as unknown columns and left out without a word: the
+    answer trained without the passage it answers from, or without the turns before it."""
+    (tmp_path / "dolly.jsonl").write_text(json.dumps(
+        {"instruction": "Who?", "context": "Ann wrote it.", "response": "Ann.", "category": "closed_qa"}) + "\n")
+    assert examples(SourceConfig(path=str(tmp_path / "dolly.jsonl")))[0].messages == [
+        {"role": "user", "content": "Who?\n\nAnn wrote it."}, {"role": "assistant", "content": "Ann."}]
+    (tmp_path / "lf.jsonl").write_text(
+        json.dumps({"instruction": "And 3?", "input": "", "output": "9", "system": "S",
+                    "history": [["2?", "4"], ["And 1?", "1"]]}) + "\n"
+        + json.dumps({"instruction": "q", "output": "a", "history": [["only the question"]]}) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "lf.jsonl")))
+    assert got[0].messages == [{"role": "system", "content": "S"}] + [
+        {"role": r, "content": c} for r, c in [("user", "2?"), ("assistant", "4"), ("user", "And 1?"),
+                                               ("assistant", "1"), ("user", "And 3?"), ("assistant", "9")]]
+    assert isinstance(got[1], RecordError) and got[1].reason == "bad_value"
+    assert str(got[1]).startswith(f"{tmp_path / 'lf.jsonl'}:2: history: expected a list of [user, assistant] pairs")

@@ -5,7 +5,7 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   sharegpt           {"conversations": [{"from", "value"}, ...], "tools"?, "system"?}; roles mapped
                      (`conversation` too; unmapped, either format's turns may be {"role", "content"} or
                      {"from", "value"})
-  alpaca             {"instruction", "input"?, "output" (or "response"), "system"?}
+  alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?}
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
@@ -388,11 +388,14 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         return Example(where, messages=([{"role": "system", "content": system}] if system else []) + messages,
                        tools=_tools(field("tools", False), where))
     if fmt == "alpaca":
-        instruction, extra, system = text("instruction"), text("input", False), text("system", False)
-        # GPTeacher and others name the answer `response`
+        # GPTeacher and Dolly name the answer `response`; Dolly names the input `context` (read as any other
+        # column, it was left out of the prompt: a closed-QA answer trained without its passage)
+        extra = "context" if "input" not in columns and "input" not in row and "context" in row else "input"
         response = "response" if "output" not in columns and "output" not in row and "response" in row else "output"
+        instruction, extra, system = text("instruction"), text(extra, False), text("system", False)
         user = instruction + (f"\n\n{extra}" if extra else "")
-        return Example(where, messages=_chat(system, user, text(response)))
+        chat = _chat(system, user, text(response))
+        return Example(where, messages=chat[:-2] + _history(row.get("history"), where) + chat[-2:])
     if fmt == "prompt_completion":
         prompt, completion = field("prompt"), field("completion")
         if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
@@ -413,6 +416,17 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
 def _chat(system: str | None, user: str, assistant: str) -> list[dict]:
     return (([{"role": "system", "content": system}] if system else [])
             + [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}])
+
+
+def _history(value: Any, where: str) -> list[dict]:
+    """LLaMA-Factory's alpaca `history`, the turns before the instruction as [[user, assistant], ...], as messages."""
+    if value is None:
+        return []
+    if not (isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2
+                                            and all(isinstance(t, str) for t in pair) for pair in value)):
+        raise RecordError(where, "history", BAD_VALUE, f"expected a list of [user, assistant] pairs of strings "
+                          f"(LLaMA-Factory's alpaca history), got {json.dumps(value)[:60]}")
+    return [{"role": role, "content": t} for pair in value for role, t in zip(("user", "assistant"), pair)]
 
 
 def _json_list(value: Any, name: str, where: str) -> list:
