@@ -374,3 +374,18 @@ def test_available_cpus_keeps_to_a_containers_cgroup_quota(tmp_path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")  # 1.5 CPUs: 2 workers where 2 cores are there
     assert cgroup_cpu_quota(v1) == 1.5 and available_cpus(v1) == min(affinity, 2)
     assert cgroup_cpu_quota(tmp_path / "none") is None  # no cgroup files at all
+
+
+def test_an_empty_answer_is_refused_or_counted(demo_tokenizer, tmp_path):
+    """An empty answer (an empty CSV cell, alpaca's `"output": ""`) was trained as its end-of-turn token alone."""
+    chats = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b"), chat("c", "  \n"), chat("e", "f")])
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "q", "output": ""},
+                                                {"instruction": "q", "output": "a"}])
+    sources = [{"path": str(chats)}, {"path": str(alpaca)}]
+    with pytest.raises(ValueError, match=rf"^{chats}:2: messages\[1\].content: an empty assistant answer"):
+        build_data(config(tmp_path, demo_tokenizer, sources))
+    mix, _, s = build_data(config(tmp_path, demo_tokenizer, sources, on_error="skip"))
+    assert [r.dropped for r in s.sources] == [{"empty_answer": 1}] * 2 and len(mix) == 3
+    # every token trained: nothing is an answer
+    _, _, s = build_data(config(tmp_path, demo_tokenizer, sources, train_on="all"))
+    assert s.dropped == {} and s.kept == 5

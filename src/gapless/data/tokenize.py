@@ -48,6 +48,7 @@ MARKER = "\ue000gapless-answer\ue001"  # private-use characters: no template or 
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
 NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
+EMPTY_ANSWER = "empty_answer"  # an assistant turn to train with no text and no tool call (an empty CSV cell)
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.json",
@@ -221,6 +222,13 @@ class Encoder:
             raise RecordError(ex.where, "messages", NOTHING_TO_TRAIN,
                               "no assistant turn to train on" if not answers else
                               "every assistant turn to train has weight 0")
+        # an empty answer trains its end-of-turn token alone: the model learns to answer with nothing
+        empty = [i for i in turns if not (messages[i].get("content") or "").strip()
+                 and not messages[i].get("tool_calls")]
+        if empty and self.train_on != "all":
+            raise RecordError(ex.where, f"messages[{empty[0]}].content", EMPTY_ANSWER,
+                              "an empty assistant answer; training on it teaches the model to answer with nothing: "
+                              "fill it in or remove the record")
         full = self._render(ex, messages, tools, False)
         # Mistral v0.3 writes the system message only into a last user turn, when prompting: not into a conversation
         # that ends in an answer
