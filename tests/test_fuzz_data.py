@@ -70,6 +70,7 @@ CORPUS = {
     "alpaca_instruction_is_a_list": (".jsonl", with_good(line({"instruction": ["a"], "output": "b"}), "alpaca"), "alpaca",
                                      "record"),
     "text_is_null": (".jsonl", with_good(line({"text": None}), "text"), "text", "record"),
+    "text_is_empty": (".jsonl", with_good(line({"text": "  "}), "text"), "text", "record"),
     "empty_file": (".jsonl", b"", "messages", "file"),
     "only_blank_lines": (".jsonl", b"\n\n  \n", "messages", "file"),
     "binary_jsonl": (".jsonl", bytes(range(256)) * 64, "messages", "file"),

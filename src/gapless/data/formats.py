@@ -369,6 +369,8 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         return value
 
     if fmt == "text":
+        if not text("text").strip():  # bos and eos alone: a document that teaches the model to stop at once
+            raise RecordError(where, "text", BAD_VALUE, "empty text")
         return Example(where, text=text("text"))
     if fmt == "messages":
         turns = _json_list(field("messages"), "messages", where)
