@@ -361,3 +361,12 @@ def test_alpaca_variants_keep_every_part_of_the_prompt(tmp_path):
                                                ("assistant", "1"), ("user", "And 3?"), ("assistant", "9")]]
     assert isinstance(got[1], RecordError) and got[1].reason == "bad_value"
     assert str(got[1]).startswith(f"{tmp_path / 'lf.jsonl'}:2: history: expected a list of [user, assistant] pairs")
+
+
+def test_a_csv_cell_as_long_as_a_json_record_reads(tmp_path):
+    """csv's default field limit (128 KiB) refused a whole CSV over one long document that a JSON line holds."""
+    story = "word " * 60_000  # 300,000 characters
+    with open(tmp_path / "long.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["prompt", "completion"], [story, "a summary"], ["hi", "yo"]])
+    got = examples(SourceConfig(path=str(tmp_path / "long.csv")))
+    assert [e.messages[0]["content"] for e in got] == [story, "hi"]

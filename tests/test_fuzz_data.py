@@ -82,7 +82,7 @@ CORPUS = {
     "binary_json": (".json", b"\x00\x01\x02" * 100, "messages", "file"),
     "csv_not_utf8": (".csv", b"prompt,completion\nab,cd\n\xff\xfe,x\n", "prompt_completion", "file"),
     "csv_extra_cell": (".csv", b"prompt,completion\na,b\ne,f,g\nc,d\nh,i\nj,k\n", "prompt_completion", "record"),
-    "csv_huge_cell": (".csv", b"prompt,completion\n" + b"a" * 200_000 + b",b\n", "prompt_completion", "file"),
+    "csv_huge_cell": (".csv", b"prompt,completion\n" + b"a" * (5 << 20) + b",b\n", "prompt_completion", "file"),
     "corrupt_parquet": (".parquet", b"PAR1" + os.urandom(300), "messages", "file"),
     "wrong_suffix_txt": (".txt", line(GOOD).encode(), "messages", "file"),
     "all_records_bad": (".jsonl", b"{\n{\n{\n", "messages", "file"),

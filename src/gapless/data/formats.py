@@ -246,6 +246,9 @@ def _json_rows(file: Path):
 def _csv_rows(file: Path):
     with open(file, "rb") as f:
         _refuse_binary(file, f.read(8192))
+    # a cell as long as a JSON line may be: csv's default limit, 128 KiB (~32k tokens), refused the whole file over
+    # one long document (the limit is the csv module's, process-wide; this only raises it)
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_RECORD_BYTES))
     # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would otherwise open the first column's name
     with open(file, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
@@ -265,7 +268,7 @@ def _csv_rows(file: Path):
         except UnicodeDecodeError as e:  # a CSV reader cannot resynchronise after a bad byte: not skippable
             raise ValueError(f"{file}: not UTF-8 text (byte 0x{e.object[e.start]:02x}) after line {start - 1}; "
                              "re-encode the file as UTF-8") from None
-        except csv.Error as e:  # e.g. a cell over csv.field_size_limit() (128 KiB)
+        except csv.Error as e:  # e.g. a cell over csv.field_size_limit() (MAX_RECORD_BYTES)
             raise ValueError(f"{file}:{start}: not readable as CSV ({e})") from None
 
 
