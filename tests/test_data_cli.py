@@ -67,3 +67,16 @@ def test_bad_input_stops_with_file_and_line_or_is_counted(tmp_path, shared, caps
 def test_a_bad_setting_names_the_field(tmp_path, capsys):
     code, _, err = run(capsys, tmp_path / "x.jsonl", "--set", "batching=packd")
     assert code == 2 and "data.batching: 'packd' is not one of" in err and "did you mean 'packed'" in err
+
+
+def test_when_no_record_fits_the_summary_says_why_before_the_error(tmp_path, shared, capsys):
+    """`gapless data` stopped on "no training documents" with nothing printed, its message pointing at `gapless data`
+    itself; records longer than max_seq_len (SQuALITY's stories under the default 4,096) said nothing of it."""
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "story " * 40},
+                                                     {"role": "assistant", "content": "short"}]}) + "\n"
+                            for _ in range(2)))
+    code, out, err = run(capsys, path, "--tokenizer", shared / "tokenizers/llama3", "--set", f"cache_dir={tmp_path}",
+                         "--set", "max_seq_len=16", "--set", "tokens_per_batch=16", "--set", "num_workers=0")
+    assert code == 2 and "dropped by reason: truncated_away 2" in out and "(no documents)" in out
+    assert "2 records did not fit data.max_seq_len 16 (truncated_away: their answers lay past it), raise it" in err

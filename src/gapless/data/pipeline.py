@@ -20,8 +20,8 @@ from gapless.data.batching import BatchSampler, Mixture
 from gapless.data.cache import CacheWriter, FileHashes, TokenizedDataset, cache_key, clean_stale, lookup
 from gapless.data.formats import DEFAULT_ROLES, read_source, resolve_files
 from gapless.data.summary import MARK_CLOSE, MARK_OPEN, DataSummary, format_example, length_histogram
-from gapless.data.tokenize import (TOKENIZER_FILES, Tokenizing, available_cpus, chunked, load_tokenizer,
-                                   read_chat_template)
+from gapless.data.tokenize import (OVERLONG, TOKENIZER_FILES, TRUNCATED_AWAY, Tokenizing, available_cpus, chunked,
+                                   load_tokenizer, read_chat_template)
 
 
 def tokenizer_fingerprint(folder: Path, hashes: FileHashes) -> dict:
@@ -124,12 +124,13 @@ def split_eval(data: SourceData, fraction: float, seed: int) -> tuple[TokenizedD
 
 
 def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_workers: int | None = None,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, allow_empty: bool = False):
     """Read, tokenize (or load from the cache) and mix the data of a run.
 
     Returns (train Mixture, eval Mixture or None, DataSummary). The tokenizer is data.tokenizer,
     else `tokenizer_dir` (the training loop passes the model folder). `vocab_size`: the model's embedding
-    rows; a tokenizer with more tokens is refused before anything is tokenized (check_vocab).
+    rows; a tokenizer with more tokens is refused before anything is tokenized (check_vocab). No training
+    documents is an error (no_documents), unless `allow_empty` (`gapless data` prints the summary first).
     """
     folder = cfg.tokenizer or tokenizer_dir
     if folder is None:
@@ -164,14 +165,21 @@ def build_data(cfg: DataConfig, tokenizer_dir: str | Path | None = None, *, num_
                        else [d.name for d in evals]) if eval_sets else None
     sampler = BatchSampler.from_config(cfg, mix)
     summary = DataSummary.build(cfg, train, evals, mix, eval_mix, sampler)
-    if not len(mix):
-        why = "; ".join(f"{r.name}: {r.records:,} records" + (f", dropped {r.dropped}" if r.dropped else "")
-                        for r in summary.sources if not r.name.startswith("eval: "))
-        raise ValueError(f"data.sources: no training documents ({why}); an empty file or folder gives no records, "
-                         "and `gapless data` shows what each source holds")
+    if not len(mix) and not allow_empty:
+        raise ValueError(no_documents(summary))
     for message in summary.warnings:
         warnings.warn(message, stacklevel=2)
     return mix, eval_mix, summary
+
+
+def no_documents(summary: DataSummary) -> str:
+    """Why a run has no training documents, from its summary."""
+    why = "; ".join(f"{r.name}: {r.records:,} records" + (f", dropped {r.dropped}" if r.dropped else "")
+                    for r in summary.sources if not r.name.startswith("eval: "))
+    too_long = sum(summary.dropped.get(k, 0) for k in (OVERLONG, TRUNCATED_AWAY))
+    hint = (f"{too_long:,} records did not fit data.max_seq_len {summary.max_seq_len:,} (truncated_away: their "
+            "answers lay past it), raise it" if too_long else "an empty file or folder gives no records")
+    return f"data.sources: no training documents ({why}); {hint}, and `gapless data` shows what each source holds"
 
 
 def inspect(cfg: DataConfig, *, as_json: bool = False, example: int = 0, histogram: bool = True) -> dict:
@@ -179,21 +187,22 @@ def inspect(cfg: DataConfig, *, as_json: bool = False, example: int = 0, histogr
     with `as_json`, the last line printed is the summary as one JSON object."""
     with warnings.catch_warnings(record=True) as caught:  # shown once, below, not also as Python warnings
         warnings.simplefilter("always")
-        mix, _, summary = build_data(cfg)
+        mix, _, summary = build_data(cfg, allow_empty=True)  # the summary says why, before the error
     summary.warnings += [str(w.message) for w in caught if str(w.message) not in summary.warnings]
     print(summary.format())
     if histogram:
         print()
         print(length_histogram(mix.lengths))
-    if len(mix):
-        if not 0 <= example < len(mix):
-            raise ValueError(f"--example: {example}; the data has {len(mix):,} documents, give 0 to {len(mix) - 1}")
-        i = example
-        ids, mask = mix.doc(i)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        print(f"\nexample {i} ({len(ids):,} tokens, {int(mask[1:].sum()):,} trained, "
-              f"trained text between {MARK_OPEN} {MARK_CLOSE}):")
-        print(format_example(np.asarray(ids), np.asarray(mask), tokenizer))
+    if not len(mix):
+        raise ValueError(no_documents(summary))
+    if not 0 <= example < len(mix):
+        raise ValueError(f"--example: {example}; the data has {len(mix):,} documents, give 0 to {len(mix) - 1}")
+    i = example
+    ids, mask = mix.doc(i)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    print(f"\nexample {i} ({len(ids):,} tokens, {int(mask[1:].sum()):,} trained, "
+          f"trained text between {MARK_OPEN} {MARK_CLOSE}):")
+    print(format_example(np.asarray(ids), np.asarray(mask), tokenizer))
     out = summary.to_dict()
     if as_json:
         print(json.dumps(out))
