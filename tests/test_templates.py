@@ -276,8 +276,8 @@ def test_a_folder_without_a_template_names_data_chat_template(shared, folders, t
     path = tmp_path / "chats.jsonl"
     write_jsonl(path, sample(shared)[:2])
     for on_error in ("raise", "skip"):  # a setting to fix, not a record to skip
-        with pytest.raises(ValueError, match=r"chats.jsonl:1: the tokenizer has no chat template; set "
-                                             r"data.chat_template \(inline Jinja or a .jinja file\)"):
+        with pytest.raises(ValueError, match=r"chats.jsonl:1: the tokenizer has no chat template \(a base model's\); "
+                                             r"set data.chat_template to the one the model is to learn"):
             build_data(config(tmp_path, folder, path, on_error=on_error))
     mix, _, _ = build_data(config(tmp_path, folder, path, chat_template=chat_templates.QWEN25))
     assert len(mix) == 2

@@ -256,10 +256,18 @@ def test_a_tokenizer_without_a_chat_template_needs_one_in_the_config(demo_tokeni
     if (folder / "chat_template.jinja").exists():
         os.remove(folder / "chat_template.jinja")
     path = write_jsonl(tmp_path / "d.jsonl", [chat("a", "b")])
-    with pytest.raises(ValueError, match="d.jsonl:1: the tokenizer has no chat template; set data.chat_template"):
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the tokenizer has no chat template \(a base model's\); set "
+                                         r"data.chat_template to the one the model is to learn: one of \['chatml',"):
         build_data(config(tmp_path, folder, [{"path": str(path)}]))
     mix, _, _ = build_data(config(tmp_path, folder, [{"path": str(path)}], chat_template=DEMO_TEMPLATE))
     assert trained_runs(tok, *mix.doc(0)) == ["b</s>"]
+    # a template by name; ChatML's <|im_end|> is plain text to this tokenizer, so no special token ends the turn and
+    # the newline after it is trained too
+    mix, _, _ = build_data(config(tmp_path, folder, [{"path": str(path)}], chat_template="chatml"))
+    assert trained_runs(tok, *mix.doc(0)) == ["b<|im_end|>\n"]
+    with pytest.raises(ValueError, match=r"data.chat_template: 'chatml2' is neither a file, a Jinja template nor one "
+                                         r"of the names \['chatml',"):
+        build_data(config(tmp_path, folder, [{"path": str(path)}], chat_template="chatml2"))
 
 
 def test_the_cache_second_run_does_not_tokenize_and_a_change_invalidates(demo_tokenizer, tmp_path, monkeypatch):

@@ -507,7 +507,9 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     eval_fraction: float = 0.0  # the seeded fraction of every source's records held out (0 = none)
     tokenizer: str | None = None  # an HF tokenizer folder; defaults to the model folder
-    chat_template: str | None = None  # inline Jinja or a path to a .jinja file; defaults to the tokenizer's
+    # inline Jinja, a path to a .jinja file or a name (chatml, llama3, qwen_25, gemma, gemma3, mistral_v1); defaults
+    # to the tokenizer's
+    chat_template: str | None = None
     max_seq_len: int = 4096  # tokens per document at most (see overlong), and the packed row length
     train_on: Literal["assistant", "all", "last_assistant"] = "assistant"  # which tokens the loss counts
     overlong: Literal["truncate", "drop", "split"] = "truncate"  # split: plain text only

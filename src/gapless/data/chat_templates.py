@@ -3,7 +3,8 @@ text as Axolotl's own templates (axolotl/utils/chat_templates/templates/NAME.jin
 whose content is a string (gapless.data.formats joins OpenAI content parts into one string before any template
 sees them), OpenAI-style `tool_calls` and `tools` (qwen_25). tests/test_chat_templates.py checks the text.
 
-A config names one through the Axolotl converter (gapless.convert); data.chat_template itself holds the Jinja.
+A config names one as data.chat_template (for a base model's tokenizer, which has no template of its own) or
+through the Axolotl converter (gapless.convert), which writes the Jinja itself.
 """
 from __future__ import annotations
 

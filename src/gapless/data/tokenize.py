@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gapless.data.chat_templates import TEMPLATES
 from gapless.data.formats import Example, RecordError
 
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
@@ -78,12 +79,16 @@ def load_tokenizer(path: str | Path):
 
 
 def read_chat_template(setting: str | None) -> str | None:
-    """data.chat_template: inline Jinja, or the text of a .jinja file; None when not set."""
+    """data.chat_template: inline Jinja, the text of a .jinja file, or a template's name (chat_templates.TEMPLATES:
+    a base model's tokenizer has none of its own); None when not set."""
     if setting is None or "{" in setting:
         return setting
     path = Path(setting).expanduser()
+    if setting in TEMPLATES and not path.is_file():
+        return TEMPLATES[setting]
     if not path.is_file():
-        raise ValueError(f"data.chat_template: {setting!r} is neither a file nor a Jinja template")
+        raise ValueError(f"data.chat_template: {setting!r} is neither a file, a Jinja template nor one of the names "
+                         f"{sorted(TEMPLATES)}")
     return path.read_text()
 
 
@@ -202,8 +207,9 @@ class Encoder:
         """The rendered conversation and the character spans of the assistant turns to train
         (None: train on every token)."""
         if self.template is None:
-            raise ValueError(f"{ex.where}: the tokenizer has no chat template; set data.chat_template "
-                             "(inline Jinja or a .jinja file)")
+            raise ValueError(f"{ex.where}: the tokenizer has no chat template (a base model's); set data.chat_template "
+                             f"to the one the model is to learn: one of {sorted(TEMPLATES)}, inline Jinja or a .jinja "
+                             "file (format text needs none)")
         if ex.tools and self.tool_use is not None:
             return self.tool_use.chat_text(ex, counts)
         messages = [self._for_template(m) for m in ex.messages]
