@@ -190,3 +190,21 @@ def test_round_trip_through_yaml():
                   "data.sources.0.roles={human: user}", "data.sources.0.weight=0.5"])
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     assert load_config(data=yaml.safe_load(text)) == cfg
+
+
+def test_every_path_field_expands_a_leading_tilde(monkeypatch, tmp_path):
+    """YAML does not expand `~` as a shell does; every path field reads as the expanded path, so each reader of the
+    config (the loader, the tokenizer, the run folder) sees the same one. output_dir was expanded by its check
+    only, and the run folder itself was then made at ./~/..."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config(model={"path": "~/models/x"}, output_dir="~/runs/r",
+                 data={"sources": [{"path": "~/data/*.jsonl"}], "eval_sources": [{"path": "~/eval.jsonl"}],
+                       "tokenizer": "~/tok", "cache_dir": "~/cache"})
+    assert cfg.model.path == f"{tmp_path}/models/x" and cfg.output_dir == f"{tmp_path}/runs/r"
+    assert cfg.data.sources[0].path == f"{tmp_path}/data/*.jsonl" and cfg.data.eval_sources[0].path == (
+        f"{tmp_path}/eval.jsonl")
+    assert (cfg.data.tokenizer, cfg.data.cache_dir) == (f"{tmp_path}/tok", f"{tmp_path}/cache")
+    assert config().data.cache_dir == f"{tmp_path}/.cache/gapless/data"  # a default too: config.yaml reads back equal
+    # through a dotted override too; a path without ~ stays as written (relative paths are the cwd's)
+    assert config(["model.path=~/m"]).model.path == f"{tmp_path}/m"
+    assert config(["model.path=models/~x"]).model.path == "models/~x"

@@ -62,6 +62,10 @@ ATTN_BACKENDS = ("fa4_op", "flex", "sdpa", "varlen")
 #                concat (run s16-ab: model.lora._b_inside says why). The same sums; QLoRA and FSDP2 run grouped.
 LoraKernel = Literal["grouped", "reference", "concat", "concat_b"]
 CONCAT_KERNELS = ("concat", "concat_b")  # the kernels over a concatenated buffer (gapless.model.lora)
+# The metadata of a field that holds a filesystem path: from_dict expands a leading `~` in its value (YAML and a
+# dotted override do not, as a shell would), once, so every reader of the config (the loader, the tokenizer, the run
+# folder, its config.yaml) sees the same path. (chat_template is not one: inline Jinja, a path or a name, read where used.)
+PATH = {"path": True}
 
 
 @dataclass
@@ -318,6 +322,10 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     if errors:
         raise ConfigError(errors)
     obj = cls(**kwargs)
+    for name, f in fields.items():  # PATH fields, a default included (data.cache_dir's), so a round trip is equal
+        value = getattr(obj, name)
+        if f.metadata.get("path") and isinstance(value, str):
+            setattr(obj, name, os.path.expanduser(value))
     validate = getattr(obj, "validate", None)
     if validate is not None:
         validate(where)
@@ -461,7 +469,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
 class SourceConfig:
     # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
     # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow (.jsonl.gz, .json.gz); relative paths are from the cwd
-    path: str
+    path: str = field(metadata=PATH)
     # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
@@ -506,7 +514,7 @@ class DataConfig:
     # held-out data: either separate sources or a seeded fraction of every source's records
     eval_sources: list[SourceConfig] = field(default_factory=list)
     eval_fraction: float = 0.0  # the seeded fraction of every source's records held out (0 = none)
-    tokenizer: str | None = None  # an HF tokenizer folder; defaults to the model folder
+    tokenizer: str | None = field(default=None, metadata=PATH)  # an HF tokenizer folder; defaults to the model folder
     # inline Jinja, a path to a .jinja file or a name (chatml, llama3, qwen_25, gemma, gemma3, mistral_v1); defaults
     # to the tokenizer's
     chat_template: str | None = None
@@ -523,7 +531,8 @@ class DataConfig:
     # auto (gapless train on a GPU): the batch finder's choice, ~90% of free memory less 10% (train/batch_finder.py)
     tokens_per_batch: int | Literal["auto"] = 16384
     pad_to_multiple_of: int = 8  # padded rows' length is rounded up to this (tensor-core friendly shapes)
-    cache_dir: str = "~/.cache/gapless/data"  # tokenized data, keyed by the files and settings that made it
+    # tokenized data, keyed by the files and settings that made it
+    cache_dir: str = field(default="~/.cache/gapless/data", metadata=PATH)
     # tokenizer processes; None = the CPUs this process can use (its affinity, capped by a container's cgroup CPU
     # quota), 0 = in this process
     num_workers: int | None = None
@@ -556,7 +565,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    path: str  # an HF checkpoint folder: config.json + safetensors (sharded or not)
+    path: str = field(metadata=PATH)  # an HF checkpoint folder: config.json + safetensors (sharded or not)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # the base weights' and activations' dtype
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
     # attention backend: auto (varlen on a CUDA GPU of compute capability 8.0+ in bf16/fp16 with packed rows,
@@ -677,7 +686,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    output_dir: str = "runs/run"  # the run folder: config.yaml, metrics.jsonl, checkpoints/, report.html, adapter/
+    # the run folder: config.yaml, metrics.jsonl, checkpoints/, report.html, adapter/
+    output_dir: str = field(default="runs/run", metadata=PATH)
     resume: bool = False  # continue from the newest complete checkpoint in output_dir
     progress: bool = True  # a progress bar on a terminal, log lines otherwise
 
