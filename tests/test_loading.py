@@ -67,6 +67,31 @@ def test_config_forms_4x_and_5x_give_the_same_model(hf_checkpoint, tmp_path, rop
         assert_close(logits, transformers.AutoModelForCausalLM.from_pretrained(old)(IDS).logits, atol=1e-4, rtol=0)
 
 
+def test_dynamic_rope_is_plain_rope_within_max_position_embeddings(hf_checkpoint):
+    """transformers' dynamic NTK RoPE rescales its base only once a sequence grows past max_position_embeddings
+    (64 here): below it, it is plain RoPE, which gapless runs, and refuses the longer sequences it would rescale."""
+    import transformers
+
+    from gapless.model.generate import generate_ids
+
+    hf, folder = hf_checkpoint("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    ours = gapless.load_model(folder)
+    assert ours.args.rope_scaling.rope_type == "dynamic"
+    full = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for ids in (IDS, full[:, :64]):  # 16 positions, and all 64
+            assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+        # the claim's boundary: past 64 positions transformers' base grows, and the logits part from plain RoPE's
+        plain = transformers.AutoModelForCausalLM.from_pretrained(folder, rope_parameters={"rope_type": "default",
+                                                                                          "rope_theta": 1e4})
+        assert_close(plain(full[:, :64]).logits, hf(full[:, :64]).logits, atol=1e-4, rtol=0)
+        assert not torch.allclose(plain(full).logits, hf(full).logits, atol=1e-2)
+    with pytest.raises(ValueError, match=r"60 prompt tokens \+ 10 new ones pass the model's max_position_embeddings "
+                                         r"64.*dynamic"):
+        generate_ids(ours, list(range(60)), max_new_tokens=10)
+    assert len(generate_ids(ours, list(range(60)), max_new_tokens=4).tokens) == 4
+
+
 def test_sharded_checkpoint_and_dtypes(hf_checkpoint, tmp_path):
     hf, _ = hf_checkpoint("qwen2")
     sharded = tmp_path / "sharded"
@@ -169,7 +194,9 @@ def test_missing_config_and_missing_weights(tmp_path):
     ({"vocab_size": None}, r"vocab_size: required field is missing"),
     ({"num_key_value_heads": 3}, r"num_key_value_heads: 3 does not divide num_attention_heads=4"),
     ({"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type: 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic"}}, r"rope_scaling\.factor: required field is missing"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": None},
+     r"config\.json: max_position_embeddings: dynamic RoPE \(rope_scaling\) needs it"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\.rope_type: 'longrope'"),
     ({"rope_scaling": {"type": "linear"}}, r"rope_scaling\.factor: required field is missing"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"rope_parameters\.low_freq_factor: required"),

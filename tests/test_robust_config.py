@@ -78,3 +78,16 @@ def test_max_seq_len_above_the_models_positions_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg.check_model({"max_position_embeddings": 8192})
+
+
+def test_max_seq_len_above_the_positions_of_a_dynamic_rope_model_is_refused():
+    """Dynamic NTK RoPE (transformers' rope_type dynamic) is plain RoPE up to max_position_embeddings and rescaled
+    past it, which gapless does not do: longer sequences are an error, not the warning of plain RoPE."""
+    cfg = config("data.max_seq_len=8192", "data.tokens_per_batch=8192")
+    with pytest.raises(ValueError, match=r"config\.data\.max_seq_len: 8,192 is above the model's "
+                                         r"max_position_embeddings 4,096 .*rope_type 'dynamic'.*lower "
+                                         r"data\.max_seq_len to 4,096"):
+        cfg.check_model({"max_position_embeddings": 4096, "rope_type": "dynamic"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg.check_model({"max_position_embeddings": 8192, "rope_type": "dynamic"})

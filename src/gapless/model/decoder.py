@@ -22,7 +22,7 @@ from gapless.kernels.attention import get_attention
 from gapless.kernels.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from gapless.model.families import family
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclass
@@ -88,7 +88,10 @@ def rope_frequencies(args: ModelArgs, local: bool = False) -> tuple[Tensor, floa
     theta = args.local_rope_theta if local else args.rope_theta
     dim = args.head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if s.rope_type == "default":
+    if s.rope_type in ("default", "dynamic"):
+        # dynamic NTK (transformers' _compute_dynamic_ntk_parameters) grows the base only for a sequence longer than
+        # max_position_embeddings; up to it the base is rope_theta, plain RoPE. gapless runs no longer one with it:
+        # RunConfig.check_model refuses such a data.max_seq_len, generate_ids such a prompt plus new tokens
         return inv_freq, 1.0
     if s.rope_type == "linear":
         # dividing every frequency by `factor` is dividing every position by it (position interpolation)

@@ -104,6 +104,12 @@ def generate_ids(model, prompt: list[int], *, max_new_tokens: int = 256, tempera
         raise ValueError("the prompt is empty: nothing to continue from")
     if not temperature >= 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 (0 = greedy) and top_p in (0, 1]; got {temperature}, {top_p}")
+    limit = model.args.max_position_embeddings
+    if model.args.rope_scaling.rope_type == "dynamic" and len(prompt) + max_new_tokens > limit:
+        # past it transformers rescales a dynamic NTK RoPE, gapless does not (gapless.model.decoder.rope_frequencies)
+        raise ValueError(f"{len(prompt)} prompt tokens + {max_new_tokens} new ones pass the model's "
+                         f"max_position_embeddings {limit}, past which its rope_type 'dynamic' RoPE would be "
+                         "rescaled, which gapless does not implement; shorten the prompt or max_new_tokens")
     model.eval()
     device = next(model.parameters()).device
     generator = None

@@ -265,6 +265,11 @@ def _read_rope_table(f: _Fields, params: Any, name: str, max_positions: int | No
 
     if rope_type == "linear":
         return theta, RopeScaling(rope_type="linear", factor=field("factor"))
+    if rope_type == "dynamic":  # plain RoPE up to max_position_embeddings, the length it starts rescaling at
+        if max_positions is None:
+            raise f.error("max_position_embeddings", f"dynamic RoPE ({name}) needs it: the length past which "
+                                                     "transformers rescales the RoPE base")
+        return theta, RopeScaling(rope_type="dynamic", factor=field("factor"))
     # the pretraining context: a top-level field wins (as in transformers), else the rope mapping's,
     # else max_position_embeddings
     original = f.integer("original_max_position_embeddings", None) or field(
