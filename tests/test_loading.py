@@ -500,3 +500,57 @@ def test_a_peft_adapter_folder_given_as_the_model_names_its_base(hf_checkpoint, 
     with pytest.raises(ValueError, match=r"adapter: a PEFT adapter \(adapter_config\.json\), not a model; load its base "
                                          r"model 'meta-llama/Llama-3.2-1B'"):
         gapless.load_model(tmp_path / "adapter")
+
+
+def _save_hf(cls_name: str, folder: Path, **config) -> Path:
+    """transformers' `cls_name` (a Llama class) of the tiny config, random, saved into `folder`."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(transformers.LlamaConfig(**{**TINY, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("cls_name", ["LlamaForSequenceClassification", "LlamaForTokenClassification",
+                                      "LlamaForQuestionAnswering"])
+def test_a_classifier_or_reward_checkpoint_is_named_as_not_a_causal_lm(tmp_path, cls_name):
+    """A classifier's or reward model's head (score.weight, qa_outputs.weight) is not an LM head: said from
+    config.json's architectures, not as 'missing keys: [lm_head.weight]; unexpected keys: [score.weight]'."""
+    folder = _save_hf(cls_name, tmp_path / "clf", num_labels=1)
+    message = (rf"config\.json: architectures: \['{cls_name}'\] is not a causal LM .*gapless fine-tunes causal "
+               r"LMs \(\*ForCausalLM")
+    with pytest.raises(ValueError, match=message):
+        read_model_args(folder)  # before the weights: `gapless train` reads the config first
+    with pytest.raises(ValueError, match=message):
+        gapless.load_model(folder)
+
+
+def test_a_base_decoder_saved_without_its_head(tmp_path):
+    """LlamaModel's checkpoint (keys without `model.`, no lm_head) loads as transformers loads it into a
+    ForCausalLM: with tied embeddings the head is the embedding; untied, transformers' head would be random, so it
+    is an error that says so."""
+    import transformers
+
+    tied = _save_hf("LlamaModel", tmp_path / "tied", tie_word_embeddings=True)
+    assert "model.embed_tokens.weight" not in read_weight_headers(tied)
+    ours = gapless.load_model(tied)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    with torch.no_grad():
+        assert_close(ours(IDS), transformers.AutoModelForCausalLM.from_pretrained(tied)(IDS).logits, atol=1e-4, rtol=0)
+    untied = _save_hf("LlamaModel", tmp_path / "untied")
+    with pytest.raises(ValueError, match=r"architectures: \['LlamaModel'\] is a base decoder without an LM head "
+                                         r"\(lm_head\.weight\), and tie_word_embeddings is false"):
+        read_model_args(untied)
+
+
+def test_a_checkpoint_without_architectures_still_loads(hf_checkpoint):
+    hf, folder = hf_checkpoint("llama")
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("architectures") == ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert_close(gapless.load_model(folder)(IDS), hf(IDS).logits, atol=1e-4, rtol=0)

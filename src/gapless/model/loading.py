@@ -40,6 +40,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 # state-dict keys some older conversions persisted; transformers ignores them on load, and so do we
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+# config.json's `architectures` of a model with another head than an LM's (a classifier's or reward model's
+# score.weight, a QA model's qa_outputs.weight), which gapless cannot train as a causal LM
+NOT_CAUSAL_LM_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 _MISSING = object()
 
@@ -139,8 +142,10 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         text = {**text, **({"tie_word_embeddings": config["tie_word_embeddings"]}
                            if "tie_word_embeddings" in config else {})}
         f = _Fields(text, where, prefix="text_config.")
-    config = f.config
+    top, config = config, f.config  # config: the decoder's fields (text_config's for an image-text checkpoint)
     defaults = fam.defaults
+    tied = f.flag("tie_word_embeddings", defaults["tie_word_embeddings"])
+    _check_architectures(top.get("architectures"), where, fam, tied)
     hf_name = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[fam.activation]  # transformers' ACT2FN names
     if f.get(fam.activation_field, hf_name) != hf_name:
         raise f.error(fam.activation_field, f"{config[fam.activation_field]!r} is not supported; the {model_type} "
@@ -192,7 +197,7 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=f.flag("tie_word_embeddings", defaults["tie_word_embeddings"]),
+        tie_word_embeddings=tied,
         biases=tuple(p for p in fam.projections if p in biases),
         sliding_window=_read_sliding_window(f, fam, layers),
         local_rope_theta=local_theta,
@@ -206,6 +211,26 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         eos_token_id=config.get("eos_token_id"),
         pad_token_id=config.get("pad_token_id"),
     )
+
+
+def _check_architectures(names: Any, where: str, fam: Family, tied: bool) -> None:
+    """config.json's `architectures` (when it has the list) names a causal LM: *ForCausalLM, Gemma 3's
+    *ForConditionalGeneration, another name the weights then decide, or a text decoder saved without its head
+    (LlamaModel) whose head is its tied embedding, as transformers' ForCausalLM loads it (decoder_headers)."""
+    for name in names if isinstance(names, list) else []:
+        if not isinstance(name, str):
+            continue
+        if name.endswith(NOT_CAUSAL_LM_HEADS):
+            raise ValueError(f"{where}: architectures: {names} is not a causal LM (its head, e.g. a classifier's or "
+                             "reward model's score.weight, is not an LM head); gapless fine-tunes causal LMs "
+                             "(*ForCausalLM, Gemma3ForConditionalGeneration): load the causal LM it was made from")
+        if name.endswith("Model") and "For" not in name and not (tied and not fam.checkpoint_prefix):
+            # transformers would give it a random lm_head; an image-text base (Gemma3Model) has another layout
+            why = ("tie_word_embeddings is false, so the head would be random" if not fam.checkpoint_prefix else
+                   f"a {fam.name} base model is not read without its ForConditionalGeneration layout")
+            raise ValueError(f"{where}: architectures: {names} is a base decoder without an LM head (lm_head.weight), "
+                             f"and {why}; gapless fine-tunes causal LMs (*ForCausalLM): load the model's causal-LM "
+                             "checkpoint")
 
 
 def _read_rope(f: _Fields, fam: Family, max_positions: int | None) -> tuple[float, RopeScaling, float | None]:
@@ -340,6 +365,10 @@ def decoder_headers(headers: dict[str, tuple[Path, tuple[int, ...]]],
     decoder_module for our `model`: model.language_model.layers.0..., lm_head.weight)."""
     fam = family(args.model_type)
     prefix = fam.checkpoint_prefix
+    if not prefix and not any(key.startswith("model.") for key in headers):
+        # a decoder saved without its head (LlamaModel: layers.0..., no lm_head; model_args_from_config let it
+        # through only with tied embeddings): transformers' ForCausalLM loads it under `model.`, and so do we
+        return {"model." + key: (*value, key) for key, value in headers.items()}
     if not prefix or any(key.startswith(prefix) for key in headers):
         return {key[len(prefix):]: (*value, key) for key, value in headers.items() if key.startswith(prefix)}
     decoder = fam.decoder_module + "."
