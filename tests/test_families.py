@@ -171,3 +171,17 @@ def test_gemma3_image_text_config_with_its_text_defaults_left_out():
     # the same decoder as bench/models/gemma-3-4b, the text-only form of this model
     assert dataclasses.replace(args, **UNUSED) == dataclasses.replace(
         read_model_args("bench/models/gemma-3-4b"), model_type="gemma3", **UNUSED)
+
+
+def test_gemma3_image_text_special_tokens_fall_back_to_the_top_level():
+    """google/gemma-3-4b-it keeps eos_token_id [1, 106] (<eos>, <end_of_turn>) at the top level and none in
+    text_config: it was read as None, so generation stopped only at the tokenizer's eos and the known marks."""
+    with pytest.warns(UserWarning, match="vision tower"):
+        args = model_args_from_config(GEMMA_3_4B_IT)
+    assert (args.eos_token_id, args.bos_token_id, args.pad_token_id) == ([1, 106], None, None)
+    # text_config's own value wins where it has one
+    config = {**GEMMA_3_4B_IT, "pad_token_id": 0,
+              "text_config": {**GEMMA_3_4B_IT["text_config"], "eos_token_id": 1, "bos_token_id": 2}}
+    with pytest.warns(UserWarning, match="vision tower"):
+        args = model_args_from_config(config)
+    assert (args.eos_token_id, args.bos_token_id, args.pad_token_id) == (1, 2, 0)

@@ -179,6 +179,10 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
     max_positions = f.integer("max_position_embeddings", None)
     rope_theta, rope_scaling, local_theta = _read_rope(f, fam, max_positions)
 
+    # the special tokens: the decoder's, else the top level's (Gemma 3's image-text configs keep eos_token_id [1, 106],
+    # <eos> and <end_of_turn>, there and none in text_config)
+    tokens = {k: top.get(k) if config.get(k) is None else config[k]
+              for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     biases = set(fam.bias)
     if fam.attention_bias_on and f.flag("attention_bias", False):
         biases |= set(fam.attention_bias_on)
@@ -207,9 +211,7 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         if fam.attn_softcap else None,
         final_softcap=f.nullable("final_logit_softcapping", defaults.get("final_logit_softcapping"))
         if fam.final_softcap else None,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id"),
-        pad_token_id=config.get("pad_token_id"),
+        **tokens,
     )
 
 
