@@ -370,3 +370,21 @@ def test_a_csv_cell_as_long_as_a_json_record_reads(tmp_path):
         csv.writer(f).writerows([["prompt", "completion"], [story, "a summary"], ["hi", "yo"]])
     got = examples(SourceConfig(path=str(tmp_path / "long.csv")))
     assert [e.messages[0]["content"] for e in got] == [story, "hi"]
+
+
+def test_pretty_printed_json_saved_as_jsonl_says_so(tmp_path):
+    """json.dump(indent=2) or `jq .` output named .jsonl failed on line 1 with a bare "not valid JSON"."""
+    for name, doc in [("obj.jsonl", RECORDS[0]), ("arr.jsonl", RECORDS)]:
+        (tmp_path / name).write_text(json.dumps(doc, indent=2) + "\n")
+        with pytest.raises(ValueError, match=rf"{name}:1: not JSON lines: the file looks like one pretty-printed JSON "
+                                             r"document .* save it as \.json, or write one object per line"):
+            examples(SourceConfig(path=str(tmp_path / name)))
+    # a .json file that is one broken pretty-printed document: the error's own line, not a line-1 record
+    (tmp_path / "broken.json").write_text('{\n  "messages": [\n    {"role": "user",, "content": "a"}\n  ]\n}\n')
+    with pytest.raises(ValueError, match=r"broken.json:3: not valid JSON .*pretty-printed JSON document cannot be "
+                                         "skipped record by record"):
+        examples(SourceConfig(path=str(tmp_path / "broken.json")))
+    # only when it looks like one: a first line broken off, or `{` alone before an unindented line, stay records
+    (tmp_path / "lines.jsonl").write_text('{\n{"messages": []}\n')
+    got = examples(SourceConfig(path=str(tmp_path / "lines.jsonl")))
+    assert [e.reason for e in got] == ["malformed_json", "empty_conversation"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import glob
 import gzip
+import itertools
 import json
 import re
 import zlib
@@ -172,8 +173,21 @@ def _bounded_lines(file: Path, f) -> Iterator[str | RecordError]:
                               f"column {e.start + 1}); re-encode the file as UTF-8")
 
 
+def _pretty_printed(first: Any, second: Any) -> bool:
+    """Line 1 is `{` or `[` alone and line 2 is indented: JSON written with indent (json.dump(indent=2), jq .),
+    which no line of JSON lines looks like."""
+    return (isinstance(first, str) and isinstance(second, str) and first.removeprefix("\ufeff").strip() in ("{", "[")
+            and second[:1] in (" ", "\t"))
+
+
 def _jsonl_rows(file: Path, lines: Iterable[str | RecordError]):
-    for n, line in enumerate(lines, 1):
+    lines = iter(lines)
+    head = list(itertools.islice(lines, 2))
+    if len(head) == 2 and _pretty_printed(*head):  # each of its lines would be a malformed record
+        raise ValueError(f"{file}:1: not JSON lines: the file looks like one pretty-printed JSON document (line 1 is "
+                         f"{head[0].strip()!r} alone, the lines after it indented); save it as .json, or write one "
+                         "object per line (e.g. jq -c)")
+    for n, line in enumerate(itertools.chain(head, lines), 1):
         if isinstance(line, RecordError):
             yield line.where, line
             continue
@@ -215,7 +229,11 @@ def _json_rows(file: Path):
     if not text.startswith("[", i):
         try:
             row = json.loads(text)
-        except json.JSONDecodeError:  # not one document: treat it as JSON lines
+        except json.JSONDecodeError as e:  # not one document: treat it as JSON lines
+            if _pretty_printed(*(text[i:].split("\n", 2) + ["", ""])[:2]):  # but it is one, broken
+                raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a pretty-printed "
+                                 "JSON document cannot be skipped record by record, fix the file (or write one "
+                                 "object per line)") from None
             yield from _jsonl_rows(file, text.split("\n"))
             return
         yield f"{file}:{text.count(chr(10), 0, i) + 1}", row if isinstance(row, dict) else RecordError(
