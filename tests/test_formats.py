@@ -17,6 +17,8 @@ RAW_CASES = [
     ("fastchat_dummy/dummy_conversation.json", {"format": "sharegpt"}, "fastchat_dummy_conversation"),
     # function_call -> assistant tool call, observation -> tool: the default ShareGPT role map
     ("glaive_toolcall_demo/glaive_toolcall_en_demo.json", {"format": "sharegpt"}, "glaive_toolcall_en_demo"),
+    # auto-detected: Self-Instruct's instances
+    ("self_instruct/user_oriented_instructions.jsonl", {}, "self_instruct_user_oriented"),
 ]
 
 
@@ -370,6 +372,30 @@ def test_a_csv_cell_as_long_as_a_json_record_reads(tmp_path):
         csv.writer(f).writerows([["prompt", "completion"], [story, "a summary"], ["hi", "yo"]])
     got = examples(SourceConfig(path=str(tmp_path / "long.csv")))
     assert [e.messages[0]["content"] for e in got] == [story, "hi"]
+
+
+def test_self_instruct_instances_are_one_example_each(tmp_path):
+    """Self-Instruct's rows ({"instruction", "instances": [{"input", "output"}]}, no `output`) were refused as an
+    alpaca row missing its output."""
+    (tmp_path / "si.jsonl").write_text(json.dumps(
+        {"id": "t0", "motivation_app": "x", "instruction": "Fix it.",
+         "instances": [{"input": "teh cat", "output": "the cat"}, {"input": "", "output": "Nothing to fix."},
+                       {"input": "no output"}, "not an object"]}) + "\n"
+        + json.dumps({"instruction": "a", "instances": []}) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "si.jsonl")))  # auto: alpaca
+    assert [e.where.split("/")[-1] for e in got] == [f"si.jsonl:1 instance {k}" for k in (1, 2, 3, 4)] + ["si.jsonl:2"]
+    assert got[0].messages == [{"role": "user", "content": "Fix it.\n\nteh cat"},
+                               {"role": "assistant", "content": "the cat"}]
+    assert got[1].messages == [{"role": "user", "content": "Fix it."},
+                               {"role": "assistant", "content": "Nothing to fix."}]
+    assert isinstance(got[2], RecordError) and "instances[2].output: missing" in str(got[2])
+    assert isinstance(got[3], RecordError) and "instances[3]: expected an object" in str(got[3])
+    assert got[4].reason == "empty_conversation" and "instances: no instances" in str(got[4])
+    # mapped, as any other column
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"instruction": "Fix it.",
+                                                      "tasks": [{"input": "", "output": "ok"}]}))
+    got = examples(SourceConfig(path=str(tmp_path / "tasks.jsonl"), format="alpaca", columns={"instances": "tasks"}))
+    assert got[0].messages == [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "ok"}]
 
 
 def test_pretty_printed_json_saved_as_jsonl_says_so(tmp_path):

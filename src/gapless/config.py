@@ -456,7 +456,7 @@ def read_yaml(path: str | Path) -> dict:
 DATA_FORMAT_FIELDS = {
     "messages": ("messages", "tools", "role", "content"),
     "sharegpt": ("conversations", "tools", "system", "from", "value"),
-    "alpaca": ("instruction", "input", "output", "system"),
+    "alpaca": ("instruction", "input", "output", "system", "instances"),
     "prompt_completion": ("prompt", "completion", "system"),
     "text": ("text",),
 }

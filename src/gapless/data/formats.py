@@ -5,7 +5,9 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   sharegpt           {"conversations": [{"from", "value"}, ...], "tools"?, "system"?}; roles mapped
                      (`conversation` too; unmapped, either format's turns may be {"role", "content"} or
                      {"from", "value"})
-  alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?}
+  alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?};
+                     Self-Instruct's rows, with "instances": [{"input", "output"}, ...] and no "output", give one
+                     example per instance (where: `file:N instance K`)
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
@@ -334,10 +336,17 @@ def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[
                     raise ValueError(f"{where}: plain text (format text), which has no system turn, but the source "
                                      f"{src.path} sets drop_system_message; unset it or give this file its own source")
             try:
-                example = to_example(row, fmt, src.columns, roles, where)
-                yield _bounded(without_leading_system(example) if src.drop_system_message else example)
+                examples = to_examples(row, fmt, src.columns, roles, where)
             except RecordError as e:
                 yield e
+                continue
+            for example in examples:  # one a row, or a Self-Instruct row's instances
+                if isinstance(example, Example):
+                    try:
+                        example = _bounded(without_leading_system(example) if src.drop_system_message else example)
+                    except RecordError as e:
+                        example = e
+                yield example
 
 
 def without_leading_system(ex: Example) -> Example:
@@ -368,6 +377,45 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)}; set the source's "
                      "format (messages, sharegpt, alpaca, prompt_completion, text) and columns, "
                      "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
+
+
+def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str],
+                where: str) -> list[Example | RecordError]:
+    """A row's examples, or the RecordError of each that is bad: one, except a Self-Instruct row (one an
+    instance). A RecordError raised rejects the whole row."""
+    name = columns.get("instances", "instances")
+    output = columns.get("output", "output")
+    if fmt == "alpaca" and row.get(output) is None and row.get("response") is None and name in row:
+        return _instances(row, name, columns, roles, where)
+    return [to_example(row, fmt, columns, roles, where)]
+
+
+def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, str],
+               where: str) -> list[Example | RecordError]:
+    """Self-Instruct's {"instruction", "instances": [{"input", "output"}, ...]}: each instance an alpaca example."""
+    instances = row[name]
+    if not isinstance(instances, list):
+        raise RecordError(where, "instances", BAD_VALUE, f"expected a list of {{input, output}} objects, got "
+                          f"{type(instances).__name__}")
+    if not instances:
+        raise RecordError(where, "instances", EMPTY_CONVERSATION, "no instances")
+    keys = columns.get("input", "input"), columns.get("output", "output")
+    rest = {k: v for k, v in row.items() if k != name}
+    out: list[Example | RecordError] = []
+    for k, instance in enumerate(instances):
+        at = f"{where} instance {k + 1}"
+        try:
+            if not isinstance(instance, dict):
+                raise RecordError(at, f"instances[{k}]", BAD_VALUE, f"expected an object, got "
+                                  f"{type(instance).__name__}")
+            if instance.get(keys[1]) is None:
+                raise RecordError(at, f"instances[{k}].{keys[1]}", MISSING_FIELD,
+                                  f"missing; the instance has {sorted(instance)}")
+            out.append(to_example({**rest, **{key: instance[key] for key in keys if key in instance}}, "alpaca",
+                                  columns, roles, at))
+        except RecordError as e:
+            out.append(e)
+    return out
 
 
 def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str], where: str) -> Example:
