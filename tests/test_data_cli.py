@@ -80,3 +80,20 @@ def test_when_no_record_fits_the_summary_says_why_before_the_error(tmp_path, sha
                          "--set", "max_seq_len=16", "--set", "tokens_per_batch=16", "--set", "num_workers=0")
     assert code == 2 and "dropped by reason: truncated_away 2" in out and "(no documents)" in out
     assert "2 records did not fit data.max_seq_len 16 (truncated_away: their answers lay past it), raise it" in err
+
+
+def test_native_oasst_and_self_instruct_files(shared, tmp_path, capsys):
+    """OpenAssistant's trees (all threads, or --format oasst_top1) and Self-Instruct's instances, auto-detected: the
+    626 threads and 252 instances that data/messages/ derived from them."""
+    raw = shared / "data/raw"
+    args = ["--tokenizer", shared / "tokenizers/llama3", "--set", f"cache_dir={tmp_path}", "--set", "num_workers=0",
+            "--json"]
+    oasst, self_instruct = raw / "oasst_en100/en_100_tree.jsonl", raw / "self_instruct/user_oriented_instructions.jsonl"
+    code, out, _ = run(capsys, oasst, self_instruct, *args)
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert [(s["records"], s["kept"]) for s in summary["sources"]] == [(626, 626), (252, 252)]
+    assert summary["dropped"] == {} and summary["target_tokens"] > 0
+    code, out, _ = run(capsys, oasst, "--format", "oasst_top1", *args)
+    assert code == 0
+    assert json.loads(out.strip().splitlines()[-1])["kept"] == 100  # one thread a tree

@@ -17,7 +17,8 @@ RAW_CASES = [
     ("fastchat_dummy/dummy_conversation.json", {"format": "sharegpt"}, "fastchat_dummy_conversation"),
     # function_call -> assistant tool call, observation -> tool: the default ShareGPT role map
     ("glaive_toolcall_demo/glaive_toolcall_en_demo.json", {"format": "sharegpt"}, "glaive_toolcall_en_demo"),
-    # auto-detected: Self-Instruct's instances
+    # auto-detected: OpenAssistant's trees (626 root-to-leaf threads of 100 trees), Self-Instruct's instances
+    ("oasst_en100/en_100_tree.jsonl", {}, "oasst_en100_threads"),
     ("self_instruct/user_oriented_instructions.jsonl", {}, "self_instruct_user_oriented"),
 ]
 
@@ -372,6 +373,78 @@ def test_a_csv_cell_as_long_as_a_json_record_reads(tmp_path):
         csv.writer(f).writerows([["prompt", "completion"], [story, "a summary"], ["hi", "yo"]])
     got = examples(SourceConfig(path=str(tmp_path / "long.csv")))
     assert [e.messages[0]["content"] for e in got] == [story, "hi"]
+
+
+def msg(role: str, text: str, *replies: dict, **extra) -> dict:
+    """An OpenAssistant export message."""
+    return {"message_id": text, "role": role, "text": text, "replies": list(replies), **extra}
+
+
+def test_oasst_trees_give_their_threads(tmp_path):
+    """OpenAssistant's message trees: every root-to-leaf thread, ending on an assistant turn; deleted and rejected
+    messages left out with their replies; an unanswered prompt skipped (counted, not raised); oasst_top1 one thread
+    a tree, the lowest rank at each step. Such a file was refused: no format could be detected."""
+    tree = msg("prompter", "q",
+               msg("assistant", "a1", msg("prompter", "follow"), msg("prompter", "more", msg("assistant", "a3")),
+                   rank=1),
+               msg("assistant", "a2", rank=0),
+               msg("assistant", "gone", msg("prompter", "under gone", msg("assistant", "x")), deleted=True, rank=2),
+               msg("assistant", "rejected", review_result=False))
+    rows = [{"message_tree_id": "t1", "tree_state": "ready_for_export", "prompt": tree},
+            {"message_tree_id": "t2", "tree_state": "growing", "prompt": msg("prompter", "nobody answered")},
+            {"message_tree_id": "t3", "prompt": msg("prompter", "spam", msg("assistant", "y"), deleted=True)},
+            {"message_tree_id": "t4", "prompt": msg("prompter", "q", msg("bot", "z"))}]
+    path = tmp_path / "trees.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def chat(*texts):
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+    got = examples(SourceConfig(path=str(path)))  # auto: oasst
+    assert [(type(e).__name__, e.where.split("/")[-1]) for e in got] == [
+        ("Example", "trees.jsonl:1 thread 1"), ("Example", "trees.jsonl:1 thread 2"),
+        ("Example", "trees.jsonl:1 thread 3"), ("Skipped", "trees.jsonl:2 thread 1"), ("Skipped", "trees.jsonl:3"),
+        ("RecordError", "trees.jsonl:4")]
+    assert [e.messages for e in got[:3]] == [chat("q", "a1"), chat("q", "a1", "more", "a3"), chat("q", "a2")]
+    assert got[3].reason == got[4].reason == "no_assistant_turn"
+    assert got[5].reason == "unknown_role" and "prompt.replies[0].role: expected one of" in str(got[5])
+
+    top = examples(SourceConfig(path=str(path), format="oasst_top1"))
+    assert top[0].messages == chat("q", "a2") and top[0].where.endswith("trees.jsonl:1")
+    assert [type(e).__name__ for e in top] == ["Example", "Skipped", "Skipped", "RecordError"]
+
+
+def test_unanswered_oasst_prompts_are_counted_not_raised(tmp_path):
+    """A Skipped thread is dropped and counted by reason in the summary, under on_error: raise too (an unanswered
+    prompt is an ordinary part of an OpenAssistant export, not a mistake in the file)."""
+    from gapless import demo_task
+    from gapless.data.pipeline import build_data
+
+    rows = [{"message_tree_id": "t1", "prompt": msg("prompter", "ab", msg("assistant", "cd"), msg("assistant", "ef"))},
+            {"message_tree_id": "t2", "prompt": msg("prompter", "no answer yet")}]
+    path = tmp_path / "trees.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = demo_task.write_tokenizer(tmp_path / "tok")
+    cfg = from_dict(DataConfig, {"sources": [{"path": str(path)}], "tokenizer": str(tok), "num_workers": 0,
+                                 "cache_dir": str(tmp_path / "cache"), "max_seq_len": 64, "tokens_per_batch": 128},
+                    "data")
+    mix, _, summary = build_data(cfg)
+    assert (summary.records, summary.kept, summary.dropped, len(mix)) == (3, 2, {"no_assistant_turn": 1}, 2)
+
+
+def test_oasst_top1_takes_the_rank_0_path_of_each_real_tree(shared):
+    trees = [json.loads(line) for line in open(shared / "data/raw/oasst_en100/en_100_tree.jsonl")]
+    top = examples(SourceConfig(path=str(shared / "data/raw/oasst_en100/en_100_tree.jsonl"), format="oasst_top1"))
+    assert len(top) == 100 and all(isinstance(e, Example) for e in top)
+    for tree, ex in zip(trees, top):
+        message, want = tree["prompt"], []
+        while True:
+            want.append(message["text"])
+            if not message["replies"]:
+                break
+            message = next(r for r in message["replies"] if r.get("rank", 0) == 0)
+        assert [m["content"] for m in ex.messages] == want[:len(ex.messages)], ex.where
+        assert ex.messages[-1]["role"] == "assistant"
 
 
 def test_self_instruct_instances_are_one_example_each(tmp_path):

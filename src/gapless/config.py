@@ -459,6 +459,8 @@ DATA_FORMAT_FIELDS = {
     "alpaca": ("instruction", "input", "output", "system", "instances"),
     "prompt_completion": ("prompt", "completion", "system"),
     "text": ("text",),
+    "oasst": ("prompt",),
+    "oasst_top1": ("prompt",),
 }
 # What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
 # (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
@@ -470,8 +472,11 @@ class SourceConfig:
     # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
     # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow (.jsonl.gz, .json.gz); relative paths are from the cwd
     path: str = field(metadata=PATH)
-    # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys
-    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
+    # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys. OpenAssistant's
+    # message trees: oasst = every root-to-leaf thread (what auto detects), oasst_top1 = one thread per tree, the
+    # reply of lowest rank at each step (gapless.data.formats says more)
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
+                    "oasst_top1"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
     # drop each conversation's leading system turn (its first turn when that is a system one, the format's system

@@ -40,7 +40,9 @@ def _field_docs() -> dict[str, dict[str, tuple[str, str]]]:
             fields = {}
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    fields[item.target.id] = (ast.get_source_segment(source, item.annotation), _comments(lines, item))
+                    # an annotation written over several lines (a long Literal) on one line: a table row
+                    annotation = " ".join(ast.get_source_segment(source, item.annotation).split())
+                    fields[item.target.id] = (annotation, _comments(lines, item))
             out[node.name] = fields
     return out
 

@@ -10,6 +10,14 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      example per instance (where: `file:N instance K`)
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
+  oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
+                     every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
+                     their prefixes), prompter -> user. A message with `deleted: true` or `review_result: false` is
+                     left out with its replies; a thread ends at its last assistant turn, and one with none (an
+                     unanswered prompt) is dropped and counted as no_assistant_turn, under either on_error
+  oasst_top1         the same trees, one thread each: at every step the reply of lowest `rank` (0 = the best; unranked
+                     replies after ranked ones, in order), as OpenAssistant's oasst_top1 datasets. Auto detection
+                     gives oasst (all threads); set format: oasst_top1 for the top-ranked path only
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
 lists of turns (TRL's conversational prompt-completion). An assistant turn may carry OpenAI's `weight`: 0 leaves it
 out of the loss (data.train_on: assistant, last_assistant), 1 is the default. OpenAI's legacy function calling (an
@@ -19,7 +27,8 @@ Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv,
 folders of such files; folders written by datasets' `save_to_disk`.
 
 A bad record is never dropped here: it comes out as a `RecordError` naming the file, the line
-(or row) and the field, and the caller raises it or counts it by `reason`, as the config says.
+(or row) and the field, and the caller raises it or counts it by `reason`, as the config says. What the format
+itself leaves out (an OpenAssistant thread without an answer) comes out as a `Skipped`, always counted, never raised.
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ GZIPPED = (".jsonl.gz", ".ndjson.gz", ".json.gz")
 MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
 NOT_UTF8, TOO_LARGE = "not_utf8", "too_large"
+NO_ASSISTANT_TURN = "no_assistant_turn"  # a Skipped OpenAssistant thread
 # The largest record read, in bytes of its line (JSON lines) or characters of its text (every format). Memory
 # and time grow with a record's size, not only its tokens: a 20 MB single-line record took 63 s and 9.2 GB to
 # tokenize (the tokenizer's offsets, ~460 bytes per character), and truncation to max_seq_len comes after it.
@@ -67,7 +77,12 @@ class RecordError(ValueError):
         super().__init__(f"{where}: {field}: {problem}" if field else f"{where}: {problem}")
 
     def __reduce__(self):  # pickled across tokenizer worker processes
-        return RecordError, (self.where, self.field, self.reason, self.problem)
+        return type(self), (self.where, self.field, self.reason, self.problem)
+
+
+class Skipped(RecordError):
+    """A record the format itself leaves out, not a mistake in the file (an OpenAssistant thread with no assistant
+    turn: an unanswered prompt is an ordinary part of a tree): counted as dropped by `reason` under either on_error."""
 
 
 @dataclass
@@ -340,7 +355,7 @@ def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[
             except RecordError as e:
                 yield e
                 continue
-            for example in examples:  # one a row, or a Self-Instruct row's instances
+            for example in examples:  # one a row, or an OpenAssistant tree's threads, Self-Instruct's instances
                 if isinstance(example, Example):
                     try:
                         example = _bounded(without_leading_system(example) if src.drop_system_message else example)
@@ -369,20 +384,30 @@ def _bounded(ex: Example) -> Example:
 
 def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     col = columns.get
+    if "message_tree_id" in row and isinstance(row.get(col("prompt", "prompt")), dict):  # a tree's first message
+        return "oasst"
     for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
                       ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
         if all(col(k, k) in row for k in keys):
             return fmt
     raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)}; set the source's "
-                     "format (messages, sharegpt, alpaca, prompt_completion, text) and columns, "
+                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst) and columns, "
                      "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
 
 
 def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str],
                 where: str) -> list[Example | RecordError]:
-    """A row's examples, or the RecordError of each that is bad: one, except a Self-Instruct row (one an
-    instance). A RecordError raised rejects the whole row."""
+    """A row's examples, or the RecordError of each that is bad: one, except an OpenAssistant tree (one a thread)
+    and a Self-Instruct row (one an instance). A RecordError raised rejects the whole row."""
+    if fmt in ("oasst", "oasst_top1"):
+        key = columns.get("prompt", "prompt")
+        root = row.get(key)
+        if not isinstance(root, dict):
+            raise RecordError(where, "prompt", MISSING_FIELD if root is None else BAD_VALUE,
+                              f"expected the tree's first message, an object, got {type(root).__name__}; "
+                              f"the record has {sorted(row)}")
+        return _oasst_threads(root, where, top1=fmt == "oasst_top1")
     name = columns.get("instances", "instances")
     output = columns.get("output", "output")
     if fmt == "alpaca" and row.get(output) is None and row.get("response") is None and name in row:
@@ -416,6 +441,65 @@ def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, s
         except RecordError as e:
             out.append(e)
     return out
+
+
+# OpenAssistant's roles; its trees have no system or tool turns
+OASST_ROLES = {"prompter": "user", "assistant": "assistant"}
+
+
+def _oasst_threads(root: dict, where: str, top1: bool) -> list[Example | RecordError]:
+    """An OpenAssistant message tree's root-to-leaf threads (the module docstring says which), depth first in the
+    order of the replies. A malformed message rejects the tree (raised, located by its path from `prompt`)."""
+
+    def kept(message: Any, field: str) -> bool:
+        if not isinstance(message, dict):
+            raise RecordError(where, field, BAD_VALUE, f"expected a message object, got {type(message).__name__}")
+        # review_result is null until the reviews are in: only a rejected message (false) is left out
+        return message.get("deleted") is not True and message.get("review_result") is not False
+
+    def turn(message: dict, field: str) -> dict:
+        role, text = message.get("role"), message.get("text")
+        if role not in OASST_ROLES:
+            raise RecordError(where, f"{field}.role", UNKNOWN_ROLE if isinstance(role, str) else BAD_VALUE,
+                              f"expected one of {sorted(OASST_ROLES)}, got {role!r:.60}")
+        if not isinstance(text, str):
+            raise RecordError(where, f"{field}.text", MISSING_FIELD if text is None else BAD_VALUE,
+                              f"expected a string, got {type(text).__name__}")
+        return {"role": OASST_ROLES[role], "content": text}
+
+    def replies(message: dict, field: str) -> list[tuple[dict, str]]:
+        value = message.get("replies")
+        if value is not None and not isinstance(value, list):
+            raise RecordError(where, f"{field}.replies", BAD_VALUE, f"expected a list, got {type(value).__name__}")
+        out = [(r, f"{field}.replies[{i}]") for i, r in enumerate(value or []) if kept(r, f"{field}.replies[{i}]")]
+        return [min(out, key=lambda r: _rank(r[0]))] if top1 and out else out  # min: the first of equal ranks
+
+    if not kept(root, "prompt"):
+        return [Skipped(where, "prompt", NO_ASSISTANT_TURN, "the prompt is deleted or rejected: no thread")]
+    threads = []
+    stack = [(root, "prompt", [])]  # iterative: no recursion limit on a thread's depth
+    while stack:
+        message, field, path = stack.pop()
+        path = path + [turn(message, field)]
+        children = replies(message, field)
+        if not children:
+            threads.append(path)
+        stack.extend((child, f, path) for child, f in reversed(children))
+    out: list[Example | RecordError] = []
+    for k, thread in enumerate(threads, 1):
+        at = where if top1 else f"{where} thread {k}"
+        ends = [i for i, m in enumerate(thread) if m["role"] == "assistant"]
+        # each thread its own turns: threads of a tree share their prefix's
+        out.append(Example(at, messages=[dict(m) for m in thread[:ends[-1] + 1]]) if ends else
+                   Skipped(at, None, NO_ASSISTANT_TURN, "no assistant turn (an unanswered prompt)"))
+    return out
+
+
+def _rank(message: dict) -> tuple[int, float]:
+    """The sort key of a reply for oasst_top1: its rank (0 = the best), an unranked reply after every ranked one."""
+    rank = message.get("rank")
+    ranked = isinstance(rank, (int, float)) and not isinstance(rank, bool) and rank == rank  # not NaN
+    return (0, rank) if ranked else (1, 0)
 
 
 def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str], where: str) -> Example:

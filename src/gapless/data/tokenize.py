@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from gapless.data.chat_templates import TEMPLATES
-from gapless.data.formats import Example, RecordError
+from gapless.data.formats import Example, RecordError, Skipped
 
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
@@ -373,7 +373,9 @@ class Encoder:
         counts: Counter = Counter()
         chats, texts = [], []
         for r, item in enumerate(items):
-            if isinstance(item, RecordError):
+            if isinstance(item, Skipped):  # left out by the format itself: counted, never raised
+                counts[f"dropped:{item.reason}"] += 1
+            elif isinstance(item, RecordError):
                 errors.append((r, item))
             elif item.text is not None:
                 texts.append((r, item))
