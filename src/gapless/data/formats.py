@@ -14,7 +14,9 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
                      their prefixes), prompter -> user. A message with `deleted: true` or `review_result: false` is
                      left out with its replies; a thread ends at its last assistant turn, and one with none (an
-                     unanswered prompt) is dropped and counted as no_assistant_turn, under either on_error
+                     unanswered prompt) is dropped and counted as no_assistant_turn, under either on_error; so is
+                     a thread that, so cut, repeats another of its tree (an answer's several unanswered follow-ups),
+                     as duplicate_thread
   oasst_top1         the same trees, one thread each: at every step the reply of lowest `rank` (0 = the best; unranked
                      replies after ranked ones, in order), as OpenAssistant's oasst_top1 datasets. Auto detection
                      gives oasst (all threads); set format: oasst_top1 for the top-ranked path only
@@ -62,6 +64,10 @@ MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
 NOT_UTF8, TOO_LARGE = "not_utf8", "too_large"
 NO_ASSISTANT_TURN = "no_assistant_turn"  # a Skipped OpenAssistant thread
+# a Skipped OpenAssistant thread that, cut to its last assistant turn, is another thread of its tree: an answer with
+# several unanswered follow-ups gives one leaf each and the same cut thread each (62 of the 626 threads of
+# ../shared/data/raw/oasst_en100), which would train that answer once per follow-up
+DUPLICATE_THREAD = "duplicate_thread"
 # The largest record read, in bytes of its line (JSON lines) or characters of its text (every format). Memory
 # and time grow with a record's size, not only its tokens: a 20 MB single-line record took 63 s and 9.2 GB to
 # tokenize (the tokenizer's offsets, ~460 bytes per character), and truncation to max_seq_len comes after it.
@@ -486,12 +492,21 @@ def _oasst_threads(root: dict, where: str, top1: bool) -> list[Example | RecordE
             threads.append(path)
         stack.extend((child, f, path) for child, f in reversed(children))
     out: list[Example | RecordError] = []
+    seen: dict[tuple[int, ...], str] = {}  # a cut thread's messages (threads share their prefix's turn dicts) -> where
     for k, thread in enumerate(threads, 1):
         at = where if top1 else f"{where} thread {k}"
         ends = [i for i, m in enumerate(thread) if m["role"] == "assistant"]
-        # each thread its own turns: threads of a tree share their prefix's
-        out.append(Example(at, messages=[dict(m) for m in thread[:ends[-1] + 1]]) if ends else
-                   Skipped(at, None, NO_ASSISTANT_TURN, "no assistant turn (an unanswered prompt)"))
+        if not ends:
+            out.append(Skipped(at, None, NO_ASSISTANT_TURN, "no assistant turn (an unanswered prompt)"))
+            continue
+        cut = thread[:ends[-1] + 1]
+        key = tuple(id(m) for m in cut)
+        if key in seen:
+            out.append(Skipped(at, None, DUPLICATE_THREAD, f"the same turns as {seen[key]} once cut to its last "
+                               "assistant turn (unanswered follow-ups)"))
+            continue
+        seen[key] = at
+        out.append(Example(at, messages=[dict(m) for m in cut]))  # each thread its own turns
     return out
 
 
