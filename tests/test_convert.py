@@ -367,3 +367,21 @@ def test_drop_system_message_maps_for_chat_template_datasets(files):
     with pytest.raises(ValueError, match=r"datasets\[0\]\.drop_system_message: true: Axolotl drops the system turn "
                                          r"for type: chat_template only"):
         convert(ax)
+
+
+@pytest.mark.parametrize("top, own, accepted", [("llama3", "llama3", True), ("gemma", "gemma", True),
+                                                (None, "tokenizer_default", True), ("chatml", "llama3", False),
+                                                ("chatml", "tokenizer_default", False), (None, "llama3", False)])
+def test_a_datasets_own_chat_template_may_repeat_the_top_level_one(files, top, own, accepted):
+    """Axolotl's instruct-lora-8b and gemma2 qlora examples name the template twice (top level and dataset): that
+    was refused as 'a per-dataset template'; one that differs from the top-level one is (gapless has one)."""
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    ax["chat_template"] = top
+    ax["datasets"][2]["chat_template"] = own
+    if accepted:
+        conv = convert(ax)
+        assert f"chat_template {own}: the top-level one" in conv.format()
+        from_dict(RunConfig, conv.config)
+    else:
+        with pytest.raises(ValueError, match=rf"datasets\[2\]\.chat_template: {own}: differs from the top-level"):
+            convert(ax)

@@ -575,7 +575,7 @@ def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
         if not isinstance(d, dict) or "path" not in d:
             c.refused.append(f"{where}: expected a mapping with path and type")
             continue
-        src, notes, bad = _axolotl_dataset(d)
+        src, notes, bad = _axolotl_dataset(d, c.raw.get("chat_template"))
         for k, why in bad:
             c.refused.append(f"{where}.{k}: {_show(d.get(k))}: {why}")
         sources.append(src)
@@ -584,8 +584,9 @@ def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
     _set(c.out, dotted, sources)
 
 
-def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
-    """One entry of Axolotl's `datasets:` as a gapless source: (source, notes, refused (key, why))."""
+def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str], list[tuple[str, str]]]:
+    """One entry of Axolotl's `datasets:` as a gapless source: (source, notes, refused (key, why)); `top_template`
+    is the top-level chat_template, which a dataset's own may repeat (Axolotl's instruct and Gemma examples do)."""
     src: dict = {"path": str(d["path"])}
     notes, bad = [], []
     kind = d.get("type")
@@ -667,8 +668,13 @@ def _axolotl_dataset(d: dict) -> tuple[dict, list[str], list[tuple[str, str]]]:
                                         "data.chat_template to the Jinja"))
         elif conversation == "chatml":
             notes.append("conversation chatml: set top-level chat_template: chatml to render it as ChatML")
-        if d.get("chat_template") not in (None, "tokenizer_default"):
-            bad.append(("chat_template", "a per-dataset template; set the top-level chat_template"))
+        # gapless renders every source with data.chat_template: a dataset's own template must be that one
+        own, top = d.get("chat_template"), top_template or "tokenizer_default"
+        if own is not None and own == top:
+            notes.append(f"chat_template {own}: the top-level one")
+        elif own is not None:
+            bad.append(("chat_template", f"differs from the top-level chat_template ({top}); gapless renders "
+                                         "every dataset with one template: set it at the top level"))
     elif kind in ("completion", "pretrain"):
         src["format"] = "text"
         if d.get("field"):
