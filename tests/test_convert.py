@@ -385,3 +385,11 @@ def test_a_datasets_own_chat_template_may_repeat_the_top_level_one(files, top, o
     else:
         with pytest.raises(ValueError, match=rf"datasets\[2\]\.chat_template: {own}: differs from the top-level"):
             convert(ax)
+
+
+@pytest.mark.parametrize("bf16, dtype", [("full", "bfloat16"), ("auto", "bfloat16"), (True, "bfloat16"),
+                                         (False, "float32")])
+def test_axolotl_bf16_values(files, bf16, dtype):
+    """Axolotl's `bf16: full` (bf16 training and evaluation) became float32 ('neither bf16 nor fp16 is on')."""
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    assert from_dict(RunConfig, convert({**ax, "bf16": bf16}).config).model.dtype == dtype

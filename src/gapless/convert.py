@@ -167,7 +167,8 @@ def _show(value: Any) -> str:
 
 
 def _precision(c: _Converter) -> None:
-    bf16, fp16 = c.get("bf16") in (True, "auto"), c.get("fp16") is True
+    # Axolotl's bf16 is true, auto (bf16 where the GPU has it) or full (bf16 evaluation too): each trains in bf16
+    bf16, fp16 = c.get("bf16") in (True, "auto", "full"), c.get("fp16") is True
     present = [k for k in ("bf16", "fp16") if k in c.raw]
     if bf16 and fp16:
         c.refuse("fp16", "bf16 and fp16 are both on; keep one")
