@@ -393,3 +393,53 @@ def test_axolotl_bf16_values(files, bf16, dtype):
     """Axolotl's `bf16: full` (bf16 training and evaluation) became float32 ('neither bf16 nor fp16 is on')."""
     ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
     assert from_dict(RunConfig, convert({**ax, "bf16": bf16}).config).model.dtype == dtype
+
+
+# keys of the peers' own examples and common configs that change nothing of what trains, or map: (format, key,
+# value, a line of the mapping); each was refused as having no gapless equivalent
+HARMLESS = [
+    ("axolotl", "loss_watchdog_threshold", 5.0, "gapless does not stop a run whose finite loss stays high"),
+    ("axolotl", "loss_watchdog_patience", 3, "see loss_watchdog_threshold"),
+    ("axolotl", "plugins", ["axolotl.integrations.liger.LigerPlugin"], "kernel plugins (the same sums)"),
+    ("axolotl", "liger_rms_norm", True, "a kernel choice"),
+    ("axolotl", "liger_fused_linear_cross_entropy", True, "a kernel choice"),
+    ("axolotl", "cut_cross_entropy", True, "a kernel choice"),
+    ("axolotl", "xformers_attention", False, "a kernel choice"),
+    ("axolotl", "flash_attn_rms_norm", True, "a kernel choice"),
+    ("axolotl", "s2_attention", False, "off"),
+    ("axolotl", "lora_fan_in_fan_out", False, "off"),
+    ("axolotl", "gradient_checkpointing", "offload", "model.activation_checkpointing: 1  (every layer; the "
+                                                     "checkpointed activations stay on the GPU"),
+    ("axolotl", "torch_compile", True, "model.compile: true"),
+    ("axolotl", "auto_resume_from_checkpoints", True, "resume: true"),
+    ("axolotl", "is_llama_derived_model", True, "read from the checkpoint's config.json"),
+    ("axolotl", "max_steps", -1, "-1: the epochs decide"),
+    ("axolotl", "ddp_timeout", 1800, "parallel.timeout_s: 1800"),
+    ("axolotl", "dataloader_num_workers", 4, "how batches are loaded"),
+    ("trl", "use_liger_kernel", True, "a kernel choice"),
+    ("trl", "push_to_hub", False, "off"),
+    ("trl", "remove_unused_columns", True, "gapless reads only the fields"),
+    ("trl", "torch_compile", False, "model.compile: false"),
+]
+
+
+@pytest.mark.parametrize("fmt, key, value, line", HARMLESS)
+def test_harmless_keys_of_real_configs_are_listed(files, fmt, key, value, line):
+    text = AXOLOTL if fmt == "axolotl" else TRL
+    raw = yaml.safe_load(text.format(**files, out="x"))
+    raw.pop("max_steps") if key == "max_steps" else None
+    conv = convert({**raw, key: value})
+    assert any(s.startswith(f"{key}:") and line in t for s, t in conv.applied), conv.format()
+    from_dict(RunConfig, conv.config)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("plugins", ["axolotl.integrations.kd.KDPlugin"], "the others have no gapless equivalent"),
+    ("s2_attention", True, "shifted sparse attention"), ("peft_use_dora", True, "not DoRA"),
+    ("hub_model_id", "me/model", "gapless does not upload"), ("tokens", ["<tool>"], "new embedding rows"),
+    ("resume_from_checkpoint", "out/checkpoint-10", "not a Trainer checkpoint folder"),
+    ("gradient_checkpointing", "sometimes", "expected true, false, offload or offload_disk")])
+def test_keys_that_change_training_are_refused_saying_why(files, key, value, why):
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    with pytest.raises(ValueError, match=f"\n  {key}: .*{why}"):
+        convert({**raw, key: value})

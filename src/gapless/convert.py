@@ -149,6 +149,15 @@ class _Converter:
 
 # what to write instead of a key gapless cannot honour, where there is something
 REFUSED_HINTS = {
+    "deepspeed": "gapless shards with FSDP2 under torchrun (gapless train --nproc N; parallel.strategy), not "
+                 "DeepSpeed: remove it",
+    "hub_model_id": "gapless does not upload; push RUN/adapter (or an export) with `hf upload`, and remove it",
+    "hub_strategy": "gapless does not upload; remove it",
+    "resume_from_checkpoint": "gapless resumes its own checkpoints in output_dir (resume: true, or gapless train "
+                              "--resume), not a Trainer checkpoint folder",
+    "tokens": "gapless trains with the tokenizer's own tokens (new tokens need new embedding rows)",
+    "lora_modules_to_save": "gapless trains LoRA adapters on linear layers only, no full embedding or lm_head copy",
+    "pretraining_dataset": "give the files under datasets with type: completion (read whole, not streamed)",
     "fsdp": "gapless shards with FSDP2 under torchrun (gapless train --nproc N; parallel.strategy), not from this "
             "key: remove it",
     "fsdp_config": "gapless shards with FSDP2 under torchrun (parallel.strategy, parallel.reshard_after_forward): "
@@ -272,7 +281,7 @@ def _warmup(c: _Converter) -> None:
 SHARED_KEYS = [("gradient_accumulation_steps", "train.grad_accum", int), ("learning_rate", "optim.lr", float),
                ("weight_decay", "optim.weight_decay", float), ("max_grad_norm", "optim.grad_clip", float),
                ("adam_epsilon", "optim.eps", float), ("save_total_limit", "checkpoint.keep", int),
-               ("seed", "train.seed", int),
+               ("seed", "train.seed", int), ("ddp_timeout", "parallel.timeout_s", int),
                ("output_dir", "output_dir", str), ("lora_r", "lora.r", int), ("lora_alpha", "lora.alpha", float),
                ("lora_dropout", "lora.dropout", float)]
 
@@ -291,6 +300,43 @@ def _harmless(c: _Converter) -> None:
     elif tokens:
         c.refuse("special_tokens", "gapless trains with the tokenizer's own special tokens (new or changed tokens "
                                    "need new embedding rows); only pad_token may be set")
+    for key in [k for k in c.raw if k in KERNEL_SWITCHES and k not in c.seen]:
+        c.note(key, "a kernel choice (the same sums, faster or leaner); gapless runs its own fused kernels")
+    for key in [k for k in c.raw if k in OFF_SWITCHES and k not in c.seen]:
+        if c.raw[key] in (False, None, "", 0):
+            c.note(key, "off")
+        else:
+            c.refuse(key, OFF_SWITCHES[key])
+    compile_ = c.get("torch_compile")
+    if compile_ in (True, False, "auto"):
+        c.put("torch_compile", "model.compile", compile_)
+    elif compile_ is not None:
+        c.refuse("torch_compile", "expected true, false or auto")
+    if c.get("torch_compile_backend") not in (None, "inductor"):
+        c.refuse("torch_compile_backend", "gapless compiles with inductor")
+    elif "torch_compile_backend" in c.raw:
+        c.note("torch_compile_backend", "inductor, as gapless compiles")
+    if "torch_compile_mode" in c.raw:
+        c.note("torch_compile_mode", "gapless compiles each decoder layer its own way (the same sums)")
+
+
+# Axolotl's and TRL's switches for fused kernels (Liger's, Cut Cross-Entropy, flash-attn's and Unsloth's fused
+# layers, other attention kernels): on or off, the model computes the same function, as gapless's kernels do
+KERNEL_SWITCHES = ("use_liger_kernel", "liger_kernel_config", "liger_rope", "liger_rms_norm", "liger_glu_activation",
+                   "liger_swiglu", "liger_layer_norm", "liger_cross_entropy", "liger_fused_linear_cross_entropy",
+                   "cut_cross_entropy", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
+                   "flash_attn_fuse_mlp", "xformers_attention", "eager_attention", "unsloth_cross_entropy_loss",
+                   "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope")
+# switches that change nothing when off (the peers' default) and what trains when on: why gapless refuses them on
+OFF_SWITCHES = {
+    "s2_attention": "shifted sparse attention (LongLoRA) attends differently; gapless attends to the whole document",
+    "lora_fan_in_fan_out": "for Conv1D layers (GPT-2); a Llama-family decoder's are nn.Linear",
+    "gptq": "gapless trains unquantized or NF4 (qlora) bases, not GPTQ ones",
+    "peft_use_dora": "gapless trains LoRA, not DoRA",
+    "use_dora": "gapless trains LoRA, not DoRA",
+    "load_best_model_at_end": "gapless's output is the last step's weights; its checkpoints stay in the run folder",
+    "push_to_hub": "gapless does not upload; push RUN/adapter (or an export) with `hf upload`",
+}
 
 
 def _one_to_one(c: _Converter, table: list[tuple[str, str, type]]) -> None:
@@ -353,8 +399,21 @@ def _batch(c: _Converter, batch_key: str, seq: int, packing: bool, default: int,
 # Axolotl
 
 
+# keys of both peers that change nothing gapless does: how the Trainer loads batches and what it logs or saves
+SHARED_IGNORABLE = {
+    "dataloader_num_workers": "how batches are loaded, not what they hold (data.num_workers sets the tokenizer's)",
+    "dataloader_pin_memory": "how batches are loaded, not what they hold",
+    "dataloader_prefetch_factor": "how batches are loaded, not what they hold",
+    "dataloader_persistent_workers": "how batches are loaded, not what they hold",
+    "remove_unused_columns": "gapless reads only the fields of the records' format",
+    "ddp_find_unused_parameters": "no effect on what trains",
+    "include_tokens_per_second": "gapless logs tokens/s",
+    "save_safetensors": "gapless writes safetensors",
+}
+
 # keys that change nothing gapless does, with why
 AXOLOTL_IGNORABLE = {
+    **SHARED_IGNORABLE,
     "model_type": "read from the checkpoint's config.json",
     "tokenizer_type": "the checkpoint's tokenizer (HF fast tokenizer)",
     "base_model_config": "read from the checkpoint's config.json",
@@ -374,6 +433,15 @@ AXOLOTL_IGNORABLE = {
     "attn_implementation": "model.attn_backend auto picks the fastest that runs",
     "trust_remote_code": "gapless builds the model with its own decoder from config.json; no remote code runs",
     "eval_max_new_tokens": "gapless's evaluation measures the loss; it generates no samples",
+    "loss_watchdog_threshold": "gapless does not stop a run whose finite loss stays high (a step whose loss is not "
+                               "finite updates nothing, 5 in a row stop the run): a run that trains is the same",
+    "loss_watchdog_patience": "see loss_watchdog_threshold",
+    "is_llama_derived_model": "read from the checkpoint's config.json",
+    "is_mistral_derived_model": "read from the checkpoint's config.json",
+    "is_qwen_derived_model": "read from the checkpoint's config.json",
+    "auto_resume_from_checkpoints": None,  # handled
+    "eval_batch_size": "evaluation batches use the training batching (the loss per token is the same)",
+    "plugins": None,  # handled
 }
 
 
@@ -401,16 +469,21 @@ def convert_axolotl(raw: dict) -> Conversion:
         c.put("num_epochs", "train.epochs", float(c.get("num_epochs")))
     if c.has("max_steps") and int(c.get("max_steps")) > 0:
         c.put("max_steps", "train.steps", int(c.get("max_steps")))
+    elif c.has("max_steps"):
+        c.note("max_steps", f"{c.get('max_steps')}: the epochs decide")
     _optimizer(c, "optimizer", adapter=c.has("adapter"))
     _precision(c)
     if c.has("gradient_checkpointing"):
         gc = c.get("gradient_checkpointing")
         if gc is True:
             c.put("gradient_checkpointing", "model.activation_checkpointing", 1, "every layer")
+        elif gc in ("offload", "offload_disk"):
+            c.put("gradient_checkpointing", "model.activation_checkpointing", 1,
+                  "every layer; the checkpointed activations stay on the GPU (gapless does not offload them)")
         elif gc is False:
             c.note("gradient_checkpointing", "off")
         else:
-            c.refuse("gradient_checkpointing", "expected true or false")
+            c.refuse("gradient_checkpointing", "expected true, false, offload or offload_disk")
     if c.has("save_steps"):
         _steps(c, "save_steps", "checkpoint.every")
     if c.has("eval_steps"):
@@ -472,11 +545,27 @@ def convert_axolotl(raw: dict) -> Conversion:
     elif c.get("flash_attention"):
         c.note("flash_attention", "model.attn_backend auto: varlen flash attention on a CUDA GPU")
     _wandb(c)
+    if c.get("auto_resume_from_checkpoints"):
+        c.put("auto_resume_from_checkpoints", "resume", True, "from the newest checkpoint in output_dir, if any")
+    elif "auto_resume_from_checkpoints" in raw:
+        c.note("auto_resume_from_checkpoints", "off")
+    plugins = c.get("plugins") or []
+    unknown = [p for p in plugins if p not in KERNEL_PLUGINS]
+    if unknown:
+        c.refuse("plugins", f"{unknown}: gapless runs Axolotl's kernel plugins' work with its own kernels "
+                            f"({', '.join(KERNEL_PLUGINS)}); the others have no gapless equivalent")
+    elif plugins:
+        c.note("plugins", "kernel plugins (the same sums); gapless runs its own fused kernels")
     _axolotl_datasets(c, "datasets", "data.sources")
     if c.has("test_datasets"):
         _axolotl_datasets(c, "test_datasets", "data.eval_sources")
     ignorable = {k: v for k, v in AXOLOTL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+# Axolotl's plugins that only swap kernels (their liger_* and cut_cross_entropy switches are KERNEL_SWITCHES)
+KERNEL_PLUGINS = ("axolotl.integrations.liger.LigerPlugin",
+                  "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin")
 
 
 def _per_epoch(c: _Converter, key: str, steps_key: str, dotted: str, every: str) -> None:
@@ -696,6 +785,7 @@ def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str]
 
 
 TRL_IGNORABLE = {
+    **SHARED_IGNORABLE,
     "logging_dir": "gapless logs to RUN/metrics.jsonl (and TensorBoard to RUN/tensorboard)",
     "overwrite_output_dir": "gapless writes into output_dir",
     "do_train": "gapless train trains",
