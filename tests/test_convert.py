@@ -443,3 +443,31 @@ def test_keys_that_change_training_are_refused_saying_why(files, key, value, why
     raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
     with pytest.raises(ValueError, match=f"\n  {key}: .*{why}"):
         convert({**raw, key: value})
+
+
+@pytest.mark.parametrize("fmt, extra, kind, min_lr_ratio", [
+    ("axolotl", {"lr_scheduler": "cosine", "cosine_min_lr_ratio": 0.1}, "cosine", 0.1),
+    ("trl", {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}, "cosine", 0.1),
+    ("trl", {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 2e-5}}, "cosine", 0.1),
+    ("trl", {"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 0.5}}, "cosine", 0.0)])
+def test_a_cosine_to_a_floor_maps_to_min_lr_ratio(files, fmt, extra, kind, min_lr_ratio):
+    """Axolotl's cosine_min_lr_ratio and transformers' cosine_with_min_lr (open-r1's recipes) decay to a fraction of
+    the peak, which is schedule.min_lr_ratio: both were refused."""
+    raw = yaml.safe_load((AXOLOTL if fmt == "axolotl" else TRL).format(**files, out="x"))
+    cfg = from_dict(RunConfig, convert({**raw, **extra}).config)
+    assert (cfg.schedule.kind, cfg.schedule.min_lr_ratio) == (kind, pytest.approx(min_lr_ratio))
+
+
+def test_constant_schedule_has_no_warmup_as_in_transformers(files):
+    """transformers' constant schedule ignores warmup_steps/warmup_ratio (constant_with_warmup reads them): the
+    warmup was applied."""
+    raw = yaml.safe_load(TRL.format(**files, out="x"))
+    conv = convert({**raw, "lr_scheduler_type": "constant", "warmup_ratio": 0.1})
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.schedule.kind, cfg.schedule.warmup_ratio, cfg.schedule.warmup_steps) == ("constant", 0.0, 0)
+    assert ("warmup_ratio: 0.1", "no effect: lr_scheduler_type constant has no warmup in transformers "
+                                 "(constant_with_warmup has)") in conv.applied
+    cfg = from_dict(RunConfig, convert({**raw, "lr_scheduler_type": "constant_with_warmup"}).config)
+    assert (cfg.schedule.kind, cfg.schedule.warmup_ratio) == ("constant", 0.1)
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    assert from_dict(RunConfig, convert({**ax, "lr_scheduler": "constant"}).config).schedule.warmup_steps == 0

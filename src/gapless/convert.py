@@ -204,13 +204,40 @@ def _precision(c: _Converter) -> None:
 
 def _schedule(c: _Converter, key: str) -> None:
     kind = c.get(key)
-    if kind is None:
-        return
-    known = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
-    if kind in known:
-        c.put(key, "schedule.kind", known[kind])
-    else:
-        c.refuse(key, f"gapless schedules are {sorted(known)}")
+    kwargs = c.get("lr_scheduler_kwargs")
+    if kind is not None:
+        known = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant",
+                 "cosine_with_min_lr": "cosine"}
+        if kind in known:
+            c.put(key, "schedule.kind", known[kind])
+        else:
+            c.refuse(key, f"gapless schedules are {sorted(known)}")
+    # transformers' cosine_with_min_lr decays to min_lr_rate x the peak (or to min_lr): schedule.min_lr_ratio
+    if kind == "cosine_with_min_lr":
+        kwargs = kwargs if isinstance(kwargs, dict) else {}
+        if set(kwargs) - {"min_lr_rate", "min_lr", "num_cycles"} or kwargs.get("num_cycles", 0.5) != 0.5:
+            c.refuse("lr_scheduler_kwargs", "gapless's cosine takes min_lr_rate or min_lr (one half-cycle)")
+        elif "min_lr_rate" in kwargs and "min_lr" not in kwargs:
+            c.put("lr_scheduler_kwargs", "schedule.min_lr_ratio", float(kwargs["min_lr_rate"]))
+        elif "min_lr" in kwargs and "min_lr_rate" not in kwargs:
+            lr = float(c.raw.get("learning_rate") or 0) or None
+            if lr:
+                c.put("lr_scheduler_kwargs", "schedule.min_lr_ratio", float(kwargs["min_lr"]) / lr,
+                      f"min_lr / learning_rate {lr}")
+            else:
+                c.refuse("lr_scheduler_kwargs", "min_lr needs learning_rate set; or give min_lr_rate")
+        else:
+            c.refuse("lr_scheduler_kwargs", "cosine_with_min_lr needs one of min_lr_rate and min_lr")
+    elif kwargs and set(kwargs) == {"num_cycles"} and kwargs["num_cycles"] == 0.5 and kind in (None, "cosine"):
+        c.note("lr_scheduler_kwargs", "num_cycles 0.5: cosine's one half-cycle, as gapless's")
+    elif kwargs:
+        c.refuse("lr_scheduler_kwargs", "gapless's schedules take no arguments besides cosine_with_min_lr's min_lr_rate")
+    # Axolotl's cosine_min_lr_ratio: its cosine decays to that fraction of the peak (read with lr_scheduler: cosine)
+    ratio = c.get("cosine_min_lr_ratio")
+    if ratio is not None and kind in (None, "cosine"):
+        c.put("cosine_min_lr_ratio", "schedule.min_lr_ratio", float(ratio))
+    elif ratio is not None:
+        c.note("cosine_min_lr_ratio", f"unused: Axolotl reads it with lr_scheduler: cosine, not {kind}")
 
 
 # bitsandbytes' AdamW variants (TrainingArguments' names): 8-bit moments, or moments paged to the host under memory
@@ -255,8 +282,16 @@ def _steps(c: _Converter, key: str, dotted: str) -> None:
         c.put(key, dotted, int(value))
 
 
-def _warmup(c: _Converter) -> None:
+def _warmup(c: _Converter, schedule_key: str) -> None:
     steps, ratio = c.get("warmup_steps"), c.get("warmup_ratio")
+    if c.raw.get(schedule_key) == "constant":
+        # transformers' get_scheduler returns get_constant_schedule(optimizer) for constant, before it reads the
+        # warmup: the peers warm up only with constant_with_warmup
+        for key in ("warmup_steps", "warmup_ratio"):
+            if key in c.raw:
+                c.note(key, f"no effect: {schedule_key} constant has no warmup in transformers (constant_with_warmup "
+                            "has)")
+        return
     if steps and 0 < float(steps) < 1:
         # transformers 5 dropped warmup_ratio: warmup_steps in (0, 1) is the ratio of the run's steps
         if ratio:
@@ -464,7 +499,7 @@ def convert_axolotl(raw: dict) -> Conversion:
     if not c.has("learning_rate"):
         c.refused.append("learning_rate: missing; Axolotl requires it (gapless would train at its own 2e-4)")
     _schedule(c, "lr_scheduler")
-    _warmup(c)
+    _warmup(c, "lr_scheduler")
     if c.has("num_epochs"):
         c.put("num_epochs", "train.epochs", float(c.get("num_epochs")))
     if c.has("max_steps") and int(c.get("max_steps")) > 0:
@@ -820,7 +855,7 @@ def convert_trl(raw: dict) -> Conversion:
     _schedule(c, "lr_scheduler_type")
     if "lr_scheduler_type" not in raw:
         _default(c, "lr_scheduler_type", "schedule.kind", "linear", "TrainingArguments")
-    _warmup(c)
+    _warmup(c, "lr_scheduler_type")
     if c.has("num_train_epochs"):
         c.put("num_train_epochs", "train.epochs", float(c.get("num_train_epochs")))
     else:
