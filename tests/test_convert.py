@@ -471,3 +471,16 @@ def test_constant_schedule_has_no_warmup_as_in_transformers(files):
     assert (cfg.schedule.kind, cfg.schedule.warmup_ratio) == ("constant", 0.1)
     ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
     assert from_dict(RunConfig, convert({**ax, "lr_scheduler": "constant"}).config).schedule.warmup_steps == 0
+
+
+@pytest.mark.parametrize("val_set_size", [0, 0.0, None])
+def test_axolotl_evaluation_without_held_out_data_is_unused(files, val_set_size):
+    """Axolotl does not evaluate without held-out data, and its examples keep evals_per_epoch beside
+    val_set_size: 0: that became train.evals_per_epoch, which gapless refuses without eval data."""
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    for extra in ({"eval_steps": 2}, {"eval_steps": None, "evals_per_epoch": 4}):
+        conv = convert({**raw, "val_set_size": val_set_size, **extra})
+        cfg = from_dict(RunConfig, conv.config)
+        assert (cfg.train.eval_every, cfg.train.evals_per_epoch, cfg.data.eval_fraction) == (0, None, 0.0)
+        key = next(iter(k for k, v in extra.items() if v))
+        assert any(s.startswith(key) and "unused: no held-out data" in t for s, t in conv.applied)

@@ -521,9 +521,18 @@ def convert_axolotl(raw: dict) -> Conversion:
             c.refuse("gradient_checkpointing", "expected true, false, offload or offload_disk")
     if c.has("save_steps"):
         _steps(c, "save_steps", "checkpoint.every")
-    if c.has("eval_steps"):
+    # Axolotl evaluates only with held-out data (its trainer sets eval_strategy no without it); its examples keep
+    # evals_per_epoch beside val_set_size: 0
+    held_out = bool(c.raw.get("val_set_size")) or c.has("test_datasets")
+    if not held_out:
+        for key in ("eval_steps", "evals_per_epoch"):
+            if c.has(key):
+                c.note(key, "unused: no held-out data (val_set_size 0, no test_datasets), so Axolotl does not "
+                            "evaluate")
+    elif c.has("eval_steps"):
         _steps(c, "eval_steps", "train.eval_every")
-    _per_epoch(c, "evals_per_epoch", "eval_steps", "train.evals_per_epoch", "train.eval_every")
+    if held_out:
+        _per_epoch(c, "evals_per_epoch", "eval_steps", "train.evals_per_epoch", "train.eval_every")
     _per_epoch(c, "saves_per_epoch", "save_steps", "checkpoint.per_epoch", "checkpoint.every")
     val = c.get("val_set_size")
     if val:
