@@ -484,3 +484,20 @@ def test_axolotl_evaluation_without_held_out_data_is_unused(files, val_set_size)
         assert (cfg.train.eval_every, cfg.train.evals_per_epoch, cfg.data.eval_fraction) == (0, None, 0.0)
         key = next(iter(k for k, v in extra.items() if v))
         assert any(s.startswith(key) and "unused: no held-out data" in t for s, t in conv.applied)
+
+
+def test_trl_epoch_strategies_and_packing_keys(files):
+    """TrainingArguments' save_strategy / eval_strategy epoch are checkpoint.per_epoch / train.evals_per_epoch 1;
+    TRL's packing_strategy bfd and padding_free are what gapless's packing does. All four were refused."""
+    raw = yaml.safe_load(TRL.format(**files, out="x"))
+    conv = convert({**raw, "save_strategy": "epoch", "eval_strategy": "epoch", "packing_strategy": "bfd",
+                    "padding_free": True})
+    conv.config["data"]["eval_fraction"] = 0.1  # held-out data, as an override gives it
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.checkpoint.per_epoch, cfg.checkpoint.every, cfg.train.evals_per_epoch) == (1, "auto", 1)
+    assert ("save_steps: 3", "unused: save_strategy is epoch") in conv.applied
+    assert cfg.data.batching == "packed"
+    with pytest.raises(ValueError, match="packing_strategy: wrapped: gapless packs whole documents"):
+        convert({**raw, "packing_strategy": "wrapped"})
+    assert any(s == "packing_strategy: wrapped" and "unused: packing is off" in t
+               for s, t in convert({**raw, "packing": False, "packing_strategy": "wrapped"}).applied)

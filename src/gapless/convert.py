@@ -854,6 +854,19 @@ def convert_trl(raw: dict) -> Conversion:
     _set(c.out, "data.batching", "packed" if packing else "padded")
     if "packing" in raw:
         c.put("packing", "data.batching", "packed" if packing else "padded")
+    # packing_strategy (TRL 0.19+): bfd places whole documents best-fit, each attending to itself, as gapless's
+    # packed batching does; wrapped cuts a stream of documents into rows, across their boundaries
+    packing_strategy = c.get("packing_strategy")
+    if packing_strategy == "bfd" or (packing_strategy is not None and not packing):
+        c.note("packing_strategy", "best-fit rows of whole documents, each attending to itself (data.batching "
+                                   "packed)" if packing else "unused: packing is off")
+    elif packing_strategy is not None:
+        c.refuse("packing_strategy", "gapless packs whole documents best-fit (bfd), each attending only to itself")
+    if c.get("padding_free"):
+        c.note("padding_free", "packed rows hold no padding" if packing else
+               "documents without padding: the same loss as gapless's padded batches (padding is masked)")
+    elif "padding_free" in raw:
+        c.note("padding_free", "off")
     _batch(c, "per_device_train_batch_size", seq, packing, 8, "TrainingArguments")
     _one_to_one(c, SHARED_KEYS)
     _harmless(c)
@@ -892,15 +905,23 @@ def convert_trl(raw: dict) -> Conversion:
         _steps(c, "save_steps", "checkpoint.every")
     elif strategy == "no":
         c.put("save_strategy", "checkpoint.every", 0)
+    elif strategy == "epoch":
+        c.put("save_strategy", "checkpoint.per_epoch", 1, "a checkpoint per pass over the data")
     elif strategy not in ("steps",):
-        c.refuse("save_strategy", "gapless saves every N steps (save_strategy: steps, save_steps: N)")
-    eval_strategy = c.get("eval_strategy", c.get("evaluation_strategy", "no"))
+        c.refuse("save_strategy", "gapless saves every N steps or N times per epoch (save_strategy: steps or epoch)")
+    if strategy in ("no", "epoch") and c.has("save_steps"):
+        c.note("save_steps", f"unused: save_strategy is {strategy}")
+    eval_key = "eval_strategy" if "eval_strategy" in c.raw else "evaluation_strategy"  # the name before 4.46
+    eval_strategy = c.get(eval_key, "no")
     if eval_strategy == "steps" and c.has("eval_steps"):
         _steps(c, "eval_steps", "train.eval_every")
+    elif eval_strategy == "epoch":
+        # gapless evaluates held-out data only: an override (data.eval_fraction, data.eval_sources) gives it
+        c.put(eval_key, "train.evals_per_epoch", 1, "an evaluation per pass over the data")
     elif eval_strategy not in ("no", "steps"):
-        c.refuse("eval_strategy", "gapless evaluates every N steps (eval_strategy: steps, eval_steps: N)")
-    elif c.has("eval_steps") and eval_strategy == "no":
-        c.note("eval_steps", "eval_strategy is no: not evaluated")
+        c.refuse(eval_key, "gapless evaluates every N steps or N times per epoch (eval_strategy: steps or epoch)")
+    if c.has("eval_steps") and eval_strategy in ("no", "epoch"):
+        c.note("eval_steps", f"unused: {eval_key} is {eval_strategy}")
     if c.get("logging_strategy", "steps") != "steps":
         c.refuse("logging_strategy", "gapless logs every N steps (logging_steps)")
     _trl_report_to(c)
