@@ -501,3 +501,14 @@ def test_trl_epoch_strategies_and_packing_keys(files):
         convert({**raw, "packing_strategy": "wrapped"})
     assert any(s == "packing_strategy: wrapped" and "unused: packing is off" in t
                for s, t in convert({**raw, "packing": False, "packing_strategy": "wrapped"}).applied)
+
+
+def test_trl_peft_defaults_are_trls(files):
+    """use_peft without lora_dropout / lora_target_modules: TRL's ModelConfig trains dropout 0.05 and PEFT adapts
+    q_proj and v_proj of a Llama-family model; gapless's own defaults (0.0, every linear layer) were used."""
+    raw = {k: v for k, v in yaml.safe_load(TRL.format(**files, out="x")).items()
+           if k not in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
+    conv = convert(raw)
+    lora = from_dict(RunConfig, conv.config).lora
+    assert (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.05, ["q_proj", "v_proj"])
+    assert "lora_target_modules: (unset)" in conv.format()

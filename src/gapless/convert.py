@@ -974,6 +974,14 @@ def convert_trl(raw: dict) -> Conversion:
         if key in raw and not raw[key]:
             c.note(key, "off")
     _lora_targets(c, "lora_target_modules")
+    if c.get("use_peft"):  # TRL's ModelConfig defaults, and PEFT's targets for Llama, Mistral, Qwen2 and Gemma
+        for key, dotted, value in (("lora_r", "lora.r", 16), ("lora_alpha", "lora.alpha", 32.0),
+                                   ("lora_dropout", "lora.dropout", 0.05)):
+            if not c.has(key):
+                _default(c, key, dotted, value, "TRL")
+        if not c.has("lora_target_modules"):
+            _default(c, "lora_target_modules", "lora.target_modules", ["q_proj", "v_proj"], "PEFT",
+                     " for these model types")
     if c.get("use_rslora"):
         c.put("use_rslora", "lora.use_rslora", True)
     if c.has("chat_template_path"):
