@@ -512,3 +512,17 @@ def test_trl_peft_defaults_are_trls(files):
     lora = from_dict(RunConfig, conv.config).lora
     assert (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.05, ["q_proj", "v_proj"])
     assert "lora_target_modules: (unset)" in conv.format()
+
+
+def test_trl_dataset_text_field_is_for_plain_text_only(files, tmp_path):
+    """TRL applies the chat template to conversational records whatever dataset_text_field says (its default,
+    "text", is often written out): the conversations were read as format text, whose field they lack."""
+    raw = {**yaml.safe_load(TRL.format(**{**files, "chat": files["trl_chat"]}, out="x")), "dataset_text_field": "text"}
+    conv = convert(raw)
+    source = from_dict(RunConfig, conv.config).data.sources[0]
+    assert (source.format, source.columns) == ("auto", {})
+    assert any(s == "dataset_text_field: text" and "unused: the records are messages" in t for s, t in conv.applied)
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"body": "shift: ab bc"}) + "\n")
+    source = from_dict(RunConfig, convert({**raw, "dataset_name": str(plain), "dataset_text_field": "body"}).config)
+    assert (source.data.sources[0].format, source.data.sources[0].columns) == ("text", {"text": "body"})

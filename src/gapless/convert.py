@@ -932,7 +932,14 @@ def convert_trl(raw: dict) -> Conversion:
         c.refused.append("dataset_name: missing; give the local data file or folder")
     else:
         source["path"] = str(dataset)
-    if c.has("dataset_text_field"):
+    # TRL reads dataset_text_field of plain-text records only: conversations and prompt-completion records go
+    # through the chat template or their own fields whatever it says (its default is "text", often written out)
+    text_field = c.has("dataset_text_field")
+    if text_field and source and _first_format(source) in STRUCTURED_FORMATS:
+        text_field = False
+        c.note("dataset_text_field", f"unused: the records are {_first_format(source)}, which TRL does not read "
+                                     "as one text field")
+    elif text_field:
         source.update(format="text", columns={"text": c.get("dataset_text_field")})
     if source:
         _set(c.out, "data.sources", [source])
@@ -942,7 +949,7 @@ def convert_trl(raw: dict) -> Conversion:
     # the loss mask: TRL trains everything of a conversation unless assistant_only_loss, and only the completion of
     # prompt-completion data unless completion_only_loss is false (None = True there). gapless's train_on is one
     # setting for the run, so it follows the data's format, read from its first record.
-    prompt_completion = not c.has("dataset_text_field") and _first_format(source) == "prompt_completion"
+    prompt_completion = not text_field and _first_format(source) == "prompt_completion"
     completion_only = c.get("completion_only_loss")
     if prompt_completion:
         train_on = "all" if completion_only is False else "assistant"
@@ -988,6 +995,10 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+# formats whose records TRL does not read through dataset_text_field
+STRUCTURED_FORMATS = ("messages", "sharegpt", "prompt_completion", "oasst", "oasst_top1")
 
 
 def _first_format(source: dict) -> str | None:
