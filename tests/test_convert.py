@@ -526,3 +526,17 @@ def test_trl_dataset_text_field_is_for_plain_text_only(files, tmp_path):
     plain.write_text(json.dumps({"body": "shift: ab bc"}) + "\n")
     source = from_dict(RunConfig, convert({**raw, "dataset_name": str(plain), "dataset_text_field": "body"}).config)
     assert (source.data.sources[0].format, source.data.sources[0].columns) == ("text", {"text": "body"})
+
+
+@pytest.mark.parametrize("types, extra, overlong", [
+    (["alpaca"], {}, "drop"), (["alpaca"], {"excess_length_strategy": "truncate"}, "truncate"),
+    (["completion"], {}, "split"), (["completion", "alpaca"], {}, "split")])
+def test_axolotl_over_long_records(files, types, extra, overlong):
+    """Axolotl drops rows longer than sequence_len (excess_length_strategy's default) and cuts completion text into
+    sequence_len pieces: gapless's default, truncate, trained the start of each, silently."""
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    raw["datasets"] = [{"path": str(files["alpaca"]), "type": t} for t in types]
+    conv = convert({**raw, **extra})
+    assert from_dict(RunConfig, conv.config).data.overlong == overlong
+    if len(types) > 1:
+        assert "an over-long conversation is truncated (Axolotl drops it)" in conv.format()

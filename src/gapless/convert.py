@@ -603,8 +603,30 @@ def convert_axolotl(raw: dict) -> Conversion:
     _axolotl_datasets(c, "datasets", "data.sources")
     if c.has("test_datasets"):
         _axolotl_datasets(c, "test_datasets", "data.eval_sources")
+    _overlong(c)
     ignorable = {k: v for k, v in AXOLOTL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _overlong(c: _Converter) -> None:
+    """data.overlong as Axolotl treats a record longer than sequence_len: its completion type cuts the text into
+    sequence_len pieces (split); the other types' rows are dropped (excess_length_strategy, default drop)."""
+    types = [d.get("type") for d in c.raw.get("datasets") or [] if isinstance(d, dict)]
+    strategy = c.get("excess_length_strategy")
+    if strategy in ("drop", "truncate"):
+        c.put("excess_length_strategy", "data.overlong", strategy)
+    elif strategy is not None:
+        c.refuse("excess_length_strategy", "gapless drops or truncates an over-long record (drop, truncate)")
+    if any(t in ("completion", "pretrain") for t in types):
+        how = "completion text is cut into sequence_len pieces, as Axolotl's completion type does"
+        if strategy != "truncate" and any(t not in ("completion", "pretrain") for t in types):
+            how += "; an over-long conversation is truncated (Axolotl drops it)"
+        _set(c.out, "data.overlong", "split")
+        c.conv.applied.append(("datasets: type completion", f"data.overlong: split  ({how})"))
+    elif strategy is None:
+        _set(c.out, "data.overlong", "drop")
+        c.conv.applied.append(("excess_length_strategy: (unset)", "data.overlong: drop  (Axolotl's default: a row "
+                                                                   "longer than sequence_len is dropped)"))
 
 
 # Axolotl's plugins that only swap kernels (their liger_* and cut_cross_entropy switches are KERNEL_SWITCHES)
