@@ -540,3 +540,13 @@ def test_axolotl_over_long_records(files, types, extra, overlong):
     assert from_dict(RunConfig, conv.config).data.overlong == overlong
     if len(types) > 1:
         assert "an over-long conversation is truncated (Axolotl drops it)" in conv.format()
+
+
+def test_axolotl_warms_up_3_percent_by_default(files):
+    """Axolotl warms up min(3% of the steps, 100) when neither warmup_steps nor warmup_ratio is set: no warmup
+    was applied."""
+    raw = {k: v for k, v in yaml.safe_load(AXOLOTL.format(**files, out="x")).items() if k != "warmup_steps"}
+    conv = convert(raw)
+    assert from_dict(RunConfig, conv.config).schedule.warmup_ratio == 0.03
+    assert "warmup_ratio: (unset)" in conv.format()
+    assert from_dict(RunConfig, convert({**raw, "warmup_steps": 0}).config).schedule.warmup_ratio == 0.0

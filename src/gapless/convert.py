@@ -500,6 +500,11 @@ def convert_axolotl(raw: dict) -> Conversion:
         c.refused.append("learning_rate: missing; Axolotl requires it (gapless would train at its own 2e-4)")
     _schedule(c, "lr_scheduler")
     _warmup(c, "lr_scheduler")
+    if c.raw.get("warmup_steps") is None and c.raw.get("warmup_ratio") is None \
+            and c.raw.get("lr_scheduler") != "constant":
+        # Axolotl's trainer builder warms up min(int(0.03 x total steps), 100) steps when neither is set
+        _default(c, "warmup_ratio", "schedule.warmup_ratio", 0.03, "Axolotl",
+                 ": 3% of the steps, at most 100 there, so a run over 3,333 steps warms up longer here")
     if c.has("num_epochs"):
         c.put("num_epochs", "train.epochs", float(c.get("num_epochs")))
     if c.has("max_steps") and int(c.get("max_steps")) > 0:
