@@ -231,7 +231,7 @@ def _schedule(c: _Converter, key: str) -> None:
     elif kwargs and set(kwargs) == {"num_cycles"} and kwargs["num_cycles"] == 0.5 and kind in (None, "cosine"):
         c.note("lr_scheduler_kwargs", "num_cycles 0.5: cosine's one half-cycle, as gapless's")
     elif kwargs:
-        c.refuse("lr_scheduler_kwargs", "gapless's schedules take no arguments besides cosine_with_min_lr's min_lr_rate")
+        c.refuse("lr_scheduler_kwargs", "gapless's schedules take no arguments but cosine_with_min_lr's min_lr_rate")
     # Axolotl's cosine_min_lr_ratio: its cosine decays to that fraction of the peak (read with lr_scheduler: cosine)
     ratio = c.get("cosine_min_lr_ratio")
     if ratio is not None and kind in (None, "cosine"):
