@@ -11,7 +11,7 @@ import yaml
 from gapless import demo_task
 from gapless.cli import main
 from gapless.config import ALL_LINEAR, from_dict, RunConfig
-from gapless.convert import check_run_paths, convert, detect, load_any
+from gapless.convert import check_local, check_run_paths, convert, detect, load_any
 from gapless.demo import write_base_model
 from gapless.train.loop import train
 
@@ -550,3 +550,13 @@ def test_axolotl_warms_up_3_percent_by_default(files):
     assert from_dict(RunConfig, conv.config).schedule.warmup_ratio == 0.03
     assert "warmup_ratio: (unset)" in conv.format()
     assert from_dict(RunConfig, convert({**raw, "warmup_steps": 0}).config).schedule.warmup_ratio == 0.0
+
+
+def test_a_missing_data_file_is_not_a_hub_id():
+    # the example config's `data/train.jsonl`, not there yet: "looks like a hub id ... hf download data/train.jsonl"
+    # sent the user to the hub for a file of their own
+    cfg = from_dict(RunConfig, {"model": {"path": "/nonexistent/model"},
+                                "data": {"sources": [{"path": "data/train.jsonl"}, {"path": "data/eval.json.gz"}]}})
+    check_run_paths(cfg)  # no error here: reading the data says the file is not found
+    assert check_local("data/train.jsonl", "data.sources[0].path", "data files") is None
+    assert check_local("HuggingFaceH4/ultrachat_200k", "data.sources[0].path", "data files")

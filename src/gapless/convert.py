@@ -18,6 +18,7 @@ from typing import Any
 
 from gapless.config import ALL_LINEAR, RunConfig
 from gapless.data.chat_templates import TEMPLATES
+from gapless.data.formats import GZIPPED, SUFFIXES
 
 
 # A Hugging Face hub id (`meta-llama/Llama-3.2-1B`): one slash, no leading `/`, `.` or `~`.
@@ -55,7 +56,9 @@ class Conversion:
 
 
 def is_hub_id(path: str) -> bool:
-    return bool(HUB_ID.fullmatch(path)) and not Path(path).expanduser().exists()
+    """A missing `data/train.jsonl` is a file not found, not a hub id: a data file's suffix says it is a path."""
+    data_file = path.lower().endswith((*SUFFIXES, *GZIPPED))
+    return bool(HUB_ID.fullmatch(path)) and not data_file and not Path(path).expanduser().exists()
 
 
 def check_local(path: str | None, where: str, what: str) -> str | None:
