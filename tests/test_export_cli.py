@@ -74,13 +74,15 @@ def test_train_writes_the_run_folder_with_overrides(setup, run):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
 
 
-def test_train_resume_flag_continues_a_stopped_run(setup, run):
+def test_train_resume_flag_continues_a_stopped_run(setup, run, capsys):
     """A run stopped after step 3, then `gapless train run.yaml ... --resume`: the same final adapter."""
     out = setup["root"] / "runs" / "resumed"
     overrides = [f"output_dir={out}", "lora.r=8"]
     train(load_config(setup["config"], overrides), stop_after=3)
     assert not (out / "adapter").exists()
-    assert cli.main(["train", str(setup["config"]), *overrides, "--resume"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", str(setup["config"]), *overrides, "--resume", "progress=true"]) == 0
+    assert "step 3 done" in capsys.readouterr().err  # resumed from checkpoint 2: its first step is 3, not "step 1"
     assert load_config(out / "config.yaml").resume is True
     assert_same_tensors(adapter_tensors(out / "adapter"), adapter_tensors(run / "adapter"))
 

@@ -63,6 +63,16 @@ def test_terminal_line_moves_every_step_without_a_log(clock):
     p.close()
 
 
+def test_a_resumed_session_counts_from_its_own_first_step(clock):
+    p = Progress(10, stream=Terminal())
+    p.advance(6, 10)  # resumed after step 5
+    assert "ETA after step 7" in p.status()
+    clock.t += 0.5
+    p.advance(7, 20)
+    assert "0.50 s/step  ETA 00:01" in p.status()
+    p.close()
+
+
 def test_warnings_once_through_one_channel():
     out = io.StringIO()
     p = Progress(1, stream=out)

@@ -599,7 +599,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                 result.first_step_s = steady_mark["wall"]
                 run.startup.mark("first_step")
                 metrics.write(startup_record(run, step, result.first_step_s))
-                run.progress.message(f"step 1 done {result.first_step_s:.1f} s after the start (start-up: "
+                run.progress.message(f"step {step} done {result.first_step_s:.1f} s after the start (start-up: "
                                      "imports, data, model, compile, the first step)")
                 window.warmup_done(steady_mark["compute"])
             else:

@@ -138,7 +138,8 @@ class Progress:
         else:
             per_step = self.seconds_per_step()
             if per_step is None:
-                parts.append("ETA after step 2" if self.step < self.total else "done")
+                # after this session's first step and one more: a resumed run's first step is not step 1
+                parts.append(f"ETA after step {self.first[0] + 1}" if self.step < self.total else "done")
             else:
                 parts += [f"{per_step:.2f} s/step", f"ETA {format_duration((self.total - self.step) * per_step)}"]
         if self.logged:
