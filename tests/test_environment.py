@@ -4,6 +4,7 @@ import json
 import yaml
 
 from gapless.cli import main
+from gapless.diagnosis import environment
 from gapless.diagnosis.environment import (compare_runs, differences, env_vars, environment_record, kernel_imports,
                                            write_environment)
 
@@ -16,6 +17,26 @@ def test_record_holds_what_changes_a_run(tmp_path):
     assert set(record["torch_flags"]) >= {"tf32_matmul", "float32_matmul_precision", "cudnn_benchmark"}
     assert set(record["gapless"]) == {"path", "commit", "dirty", "install"}
     assert set(record["kernels"]) == {"flash-attn-4", "liger-kernel", "bitsandbytes"}
+
+
+class EditableInstall:
+    def __init__(self, checkout):
+        self.checkout = checkout
+
+    def read_text(self, name):
+        return json.dumps({"dir_info": {"editable": True}, "url": self.checkout.as_uri()})
+
+
+def test_install_is_the_one_that_holds_the_running_gapless(tmp_path, monkeypatch):
+    here = tmp_path / "checkout" / "src" / "gapless" / "diagnosis" / "environment.py"
+    here.parent.mkdir(parents=True)
+    monkeypatch.setattr(environment, "__file__", str(here))
+    metadata = environment.importlib.metadata
+    monkeypatch.setattr(metadata, "distribution", lambda name: EditableInstall(tmp_path / "checkout"))
+    assert environment.gapless_source()["install"] == "editable"
+    # an editable install of another checkout, this one on PYTHONPATH: it said "editable from <this checkout>"
+    monkeypatch.setattr(metadata, "distribution", lambda name: EditableInstall(tmp_path / "main"))
+    assert environment.gapless_source()["install"] == "not installed (PYTHONPATH)"
 
 
 def test_env_vars_keep_the_relevant_ones():

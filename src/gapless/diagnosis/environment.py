@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -139,7 +140,14 @@ def gapless_source() -> dict:
     try:
         dist = importlib.metadata.distribution("gapless")
         direct = json.loads(dist.read_text("direct_url.json") or "{}")
-        out["install"] = "editable" if direct.get("dir_info", {}).get("editable") else "package"
+        if direct.get("dir_info", {}).get("editable"):
+            installed = Path(urllib.parse.urlparse(direct.get("url", "")).path)  # file:///path/to/checkout
+        else:
+            installed = Path(dist.locate_file("gapless"))
+        # the install is what runs only where it holds this file: an editable install of another checkout (or a
+        # wheel) shadowed by PYTHONPATH is not how this gapless was installed
+        if here.is_relative_to(installed.resolve()):
+            out["install"] = "editable" if direct.get("dir_info", {}).get("editable") else "package"
     except importlib.metadata.PackageNotFoundError:
         pass
     try:
