@@ -60,7 +60,8 @@ def test_demo_learns_within_its_time(demo):
 
 
 def test_demo_run_folder(demo):
-    """The run folder of a real run: config.yaml, metrics with train and eval records, checkpoints, adapter."""
+    """The run folder of a real run: config.yaml, metrics with train and eval records, checkpoints, adapter,
+    environment.json."""
     from gapless.config import load_config
 
     run = demo["run"]
@@ -76,6 +77,8 @@ def test_demo_run_folder(demo):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000300", "step-00000400"]
     assert (demo["adapter"] / "adapter_model.safetensors").is_file()
     assert (demo["adapter"] / "tokenizer.json").is_file()
+    # as every run folder: `gapless doctor --compare runs/demo/run RUN` compares its environment
+    assert json.loads((run / "environment.json").read_text())["packages"]["torch"]
 
 
 def test_demo_adapter_loads_in_peft_with_gapless_logits(demo):

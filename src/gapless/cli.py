@@ -192,9 +192,11 @@ def register_demo(sub) -> None:
 
 def run_demo(args) -> int:
     from gapless.demo import run_demo as demo
+    from gapless.diagnosis.environment import write_environment
 
     if args.steps < 1:  # train.steps 0 would mean a pass over the data, not no training
         raise ValueError(f"--steps: {args.steps}; give the optimizer steps to train, e.g. 400")
+    write_environment(Path(args.out) / "run")  # as `gapless train` does: `gapless doctor --compare` reads it
     summary = demo(args.out, steps=args.steps)
     return 0 if summary["accuracy_after"] > summary["accuracy_before"] else 1
 
