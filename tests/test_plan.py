@@ -207,6 +207,9 @@ def test_plan_command_on_the_demo(tmp_path, capsys):
     one, two = result["predictions"]
     assert one["rank_tokens"] % 64 == 0 and one["rank_tokens"] > 256 and "auto does not run" in two["problems"][0]
     assert result["where_more_gpus_stop_paying"][0].startswith("where more H100s stop paying")
+    # --strategy takes the config's spelling (parallel.strategy: fsdp) as well as fsdp2
+    assert main(["plan", str(tmp_path / "c.yaml"), "--gpus", "H100x2", "--strategy", "fsdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictions"][0]["strategy"] == "fsdp2"
 
 
 def test_measured_rate_from_a_run_folder(tmp_path):

@@ -383,11 +383,12 @@ def register_plan(sub) -> None:
     p.add_argument("config", help="the run's YAML config (its data are read through the token cache)")
     p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides")
     p.add_argument("--gpus", default="H100x8", help="GPU[xN], comma-separated, e.g. GB10,H100,H100x8 (default H100x8)")
-    p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp2"],
-                   help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA)")
+    p.add_argument("--strategy", default=None, choices=["auto", "ddp", "fsdp", "fsdp2"],
+                   help="default: the config's parallel.strategy (auto: FSDP2 for full fine-tuning, DDP for LoRA; "
+                        "fsdp is FSDP2)")
     p.add_argument("--run", metavar="RUN", help="a run folder whose measured tokens/s replaces the stated figure")
     p.add_argument("--measured", metavar="TOKS@GPU", help="a measured single-GPU rate, e.g. 34100@H200")
-    p.add_argument("--startup-s", type=float, default=None, help="start-up seconds (default 86, the H200 1B run)")
+    p.add_argument("--startup-s", type=float, default=None, help="start-up seconds (default 39, the example 3B config's cold start on an H100)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_plan)
 
