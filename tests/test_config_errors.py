@@ -62,3 +62,16 @@ def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
     assert load_config(path).lora.r == 8
     path.write_text("model: {path: /m}\ndata: {sources: [{path: a.jsonl}]}\nlora:\n  <<: {r: 8, alpha: 16}\n  r: 4\n")
     assert (load_config(path).lora.r, load_config(path).lora.alpha) == (4, 16)
+
+
+def test_an_overrides_mistake_is_named_as_the_override_not_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /m}\ndata: {sources: [{path: a.jsonl}]}\nlora: {r: 16}\ntrain: {stesp: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["lora.r=16.5", "optim.learning_rate=1e-4", "data.sources.0.format=alpacca"])
+    lines = e.value.errors
+    # the file holds r: 16; "c.yaml.lora.r: expected an integer, got 16.5" sent the user to the wrong place
+    assert "override lora.r: expected an integer, got 16.5" in lines
+    assert any(line.startswith("override optim.learning_rate: unknown key; did you mean 'lr'?") for line in lines)
+    assert any(line.startswith("override data.sources[0].format: 'alpacca' is not one of") for line in lines)
+    assert any(line.startswith(f"{path}.train.stesp: unknown key") for line in lines)  # the file's own mistake

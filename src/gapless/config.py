@@ -758,4 +758,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         require_settings(raw, path, overrides)
     raw = apply_overrides(raw, list(overrides))
     where = str(path) if path is not None else "config"
-    return from_dict(RunConfig, raw, where)
+    try:
+        return from_dict(RunConfig, raw, where)
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError([_named_by_override(line, where, overrides) for line in e.errors]) from e
+
+
+def _named_by_override(error: str, where: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """`override lora.r: ...`, not `c.yaml.lora.r: ...`, for a value an override gave: the file does not hold it."""
+    for item in overrides:
+        field = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", item.split("=", 1)[0].strip())  # data.sources.0 -> sources[0]
+        if re.match(re.escape(f"{where}.{field}") + r"[:.\[]", error):
+            return "override " + error[len(where) + 1:]
+    return error
