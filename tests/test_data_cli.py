@@ -69,6 +69,17 @@ def test_a_bad_setting_names_the_field(tmp_path, capsys):
     assert code == 2 and "data.batching: 'packd' is not one of" in err and "did you mean 'packed'" in err
 
 
+def test_a_missing_tokenizer_names_the_flag(tmp_path, capsys):
+    code, _, err = run(capsys, tmp_path / "x.jsonl")
+    assert code == 2 and "data.tokenizer: not set; give --tokenizer DIR" in err
+    # the example config's placeholder model.path: not "data.tokenizer: ... is not a folder", a field it does not set
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "models/Llama-3.2-3B-Instruct"},
+                                      "data": {"sources": [{"path": str(tmp_path / "x.jsonl")}]}}))
+    code, _, err = run(capsys, config)
+    assert code == 2 and "model.path: models/Llama-3.2-3B-Instruct is not a folder" in err and "--tokenizer" in err
+
+
 def test_when_no_record_fits_the_summary_says_why_before_the_error(tmp_path, shared, capsys):
     """`gapless data` stopped on "no training documents" with nothing printed, its message pointing at `gapless data`
     itself; records longer than max_seq_len (SQuALITY's stories under the default 4,096) said nothing of it."""

@@ -173,15 +173,22 @@ def data_config_from_inputs(inputs: list[str], *, tokenizer: str | None = None, 
                             format: str = "auto") -> DataConfig:
     """`gapless data` arguments -> DataConfig: one YAML config (its `data:` section, or the whole
     file when it has none), or data files that become one source each."""
+    model_path = None
     if len(inputs) == 1 and Path(inputs[0]).suffix in (".yaml", ".yml"):
         raw = read_yaml(inputs[0])
         section = raw.get("data", raw)
         model = raw.get("model")
         if not section.get("tokenizer") and isinstance(model, dict) and isinstance(model.get("path"), str):
-            section["tokenizer"] = model["path"]  # the tokenizer defaults to the model folder
+            section["tokenizer"] = model_path = model["path"]  # the tokenizer defaults to the model folder
     else:
         section = {"sources": [{"path": p, "format": format} for p in inputs]}
     if tokenizer:
         section["tokenizer"] = tokenizer
     apply_overrides(section, [o.removeprefix("data.") for o in overrides])
-    return from_dict(DataConfig, section, "data")
+    cfg = from_dict(DataConfig, section, "data")
+    if cfg.tokenizer is None:
+        raise ValueError("data.tokenizer: not set; give --tokenizer DIR (an HF tokenizer or model folder)")
+    if model_path and Path(cfg.tokenizer) == Path(model_path).expanduser() and not Path(cfg.tokenizer).is_dir():
+        raise ValueError(f"model.path: {model_path} is not a folder, and the tokenizer defaults to the model folder; "
+                         "give --tokenizer DIR (an HF tokenizer or model folder)")
+    return cfg
