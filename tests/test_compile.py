@@ -73,6 +73,12 @@ def test_compile_layers_keeps_inductor_caches_in_gaplesss_cache_folder(monkeypat
     assert use_compile_cache() == COMPILE_CACHE.expanduser()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice wins
     assert use_compile_cache() == tmp_path
+    # importing torch._dynamo (gapless's attention module does, through torch.compiler.disable) writes torch's own
+    # default, /tmp/torchinductor_USER, into the variable on torch 2.13: that is not the user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_compile_cache() == COMPILE_CACHE.expanduser()
 
 
 @pytest.mark.parametrize("has_prefetch", [True, False])
