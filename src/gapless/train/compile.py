@@ -23,12 +23,15 @@ COMPILE_CACHE = Path("~/.cache/gapless/compile")
 
 def use_compile_cache(folder: Path = COMPILE_CACHE) -> Path:
     """Point inductor's caches at `folder` unless the user chose a folder; returns the folder in use."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        torchs_own = os.path.abspath(default_cache_dir())
+    except ImportError:  # a torch without it (pyproject allows 2.5) does not write the variable itself
+        torchs_own = None
     # torch 2.13 writes its own default into the variable when torch._dynamo is imported (torch._dynamo.package's
     # DynamoCache; gapless's attention module imports it through torch.compiler.disable): that value is not a choice
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+    if chosen is None or os.path.abspath(chosen) == torchs_own:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.expanduser())
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
