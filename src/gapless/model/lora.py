@@ -413,13 +413,27 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
     if _lora_layers(model):
         raise ValueError("the model already has LoRA layers; load an adapter onto a plain model")
     cfg = read_adapter_config(adapter_dir, model)
+    _adapter_weights(adapter_dir)
+    apply_lora(model, cfg)
+    load_adapter_weights(model, adapter_dir, cfg)
+    return model, cfg
+
+
+def _adapter_weights(adapter_dir: Path) -> Path:
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         pickles = sorted(p.name for p in adapter_dir.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
         raise ValueError(f"{weights}: not found" + (
             f"; {', '.join(pickles)} is a pickle, which gapless never unpickles: re-save the adapter with "
             "PEFT's save_pretrained(out_dir, safe_serialization=True)" if pickles else ""))
-    apply_lora(model, cfg)
+    return weights
+
+
+def load_adapter_weights(model: nn.Module, adapter_dir: str | Path, cfg: LoraConfig) -> nn.Module:
+    """Copy a PEFT adapter folder's A and B into `model`'s LoRA layers, applied as `cfg` (read_adapter_config) says
+    and materialised (a QLoRA model rebuilt as its run built it: gapless.model.method.Qlora.load_final)."""
+    adapter_dir = Path(adapter_dir)
+    weights = _adapter_weights(adapter_dir)
     ours = {PEFT_PREFIX + peft_name(model, k): v for k, v in model.state_dict().items()}
     fam = family(model.args.model_type)
     with safe_open(weights, framework="pt") as st:
@@ -439,7 +453,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
             others = sorted(k for k in found - expected if not k.startswith(decoder))
             if others:
                 warnings.warn(f"{weights}: {len(others)} tensors outside the text decoder ({others[0]}, ...) are "
-                              "not loaded: gapless runs the text decoder only", stacklevel=2)
+                              "not loaded: gapless runs the text decoder only", stacklevel=3)
                 found -= set(others)
         missing, unexpected = sorted(expected - found), sorted(found - expected)
         if missing or unexpected:
@@ -453,7 +467,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> tuple[nn.Module, 
                                  f"imply {list(ours_t.shape)}")
             with torch.no_grad():
                 ours_t.copy_(st.get_tensor(in_file[key]))
-    return model, cfg
+    return model
 
 
 @torch.no_grad()
