@@ -173,10 +173,12 @@ def to_qlora(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def qlora_load_hook(model: nn.Module) -> Callable[[str, Tensor], bool]:
+def qlora_load_hook(model: nn.Module, dtype: torch.dtype | None = None) -> Callable[[str, Tensor], bool]:
     """hook(key, tensor) for streaming a checkpoint into a QLoRA model (gapless.model.loading.load_weights, which
     hands each tensor over already on the target device): a QLoRA layer's base weight is quantised where it is into
-    the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False).
+    the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False). `dtype`: the weight
+    is rounded to it before quantising, so that a model loaded in another dtype than its run's (float32 to evaluate
+    a bfloat16 run on the CPU) holds the NF4 codes the run trained on (None: as handed over).
 
     Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, nothing beyond the memory-mapped shards (the
     reading threads put each tensor on the GPU: loading.checkpoint_tensors); GPU, the model as it fills (5.3 GiB at
@@ -190,7 +192,7 @@ def qlora_load_hook(model: nn.Module) -> Callable[[str, Tensor], bool]:
         layer = layers.get(key)
         if layer is None:
             return False
-        layer.quantize_(tensor)
+        layer.quantize_(tensor if dtype is None else tensor.to(dtype))
         return True
 
     return hook
