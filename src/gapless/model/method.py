@@ -10,7 +10,9 @@ A method says
 - `flops`: the arguments of gapless.meter.flops.step_flops that count its useful FLOPs per step;
 - `checkpoint_state(model)` / `load_checkpoint_state(model, tensors)`: what a checkpoint holds (the trainable
   tensors) and how a resume puts it back;
-- `final_name` and `save_final(...)`: what the end of a run writes (a PEFT adapter folder for LoRA).
+- `final_name` and `save_final(...)`: what the end of a run writes (a PEFT adapter folder for LoRA);
+- `load_final(...)`: that save back as the model the run trained, for `gapless generate`, `chat` and `eval` (QLoRA:
+  the adapter on the NF4 base, not on the unquantised one, whose outputs and loss differ).
 """
 from __future__ import annotations
 
@@ -21,15 +23,18 @@ from torch import Tensor, nn
 
 from gapless.config import LoraConfig, RunConfig
 from gapless.model.export import save_pretrained
-from gapless.model.loading import DTYPES, LoadHook
-from gapless.model.lora import LoraLinear, apply_lora, concat_lora_weights, save_adapter
-from gapless.model.qlora import qlora_load_hook, to_qlora
+from gapless.model.loading import DTYPES, LoadHook, build, load_model, load_weights
+from gapless.model.lora import (LoraLinear, apply_lora, concat_lora_weights, load_adapter, load_adapter_weights,
+                                read_adapter_config, save_adapter)
+from gapless.model.qlora import apply_qlora, qlora_load_hook, to_qlora
 
 
 class Method:
     name: str
     final_name: str  # the run folder's subfolder that `save_final` writes
     load_hook: LoadHook | None = None
+    final_holds_base = False  # the final save holds every weight (no base model under it)
+    quantised_base: str | None = None  # the frozen base's storage where it is not the model's dtype ("NF4")
 
     def transform(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
@@ -59,6 +64,13 @@ class Method:
                 p.copy_(tensors[name])
 
     def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
+        raise NotImplementedError
+
+    def load_final(self, final: Path, base_model: Path, dtype: torch.dtype, device: torch.device | str, *,
+                   unquantised_base: bool = False) -> tuple[nn.Module, str]:
+        """What `save_final` wrote to `final`, back in eval mode in `dtype` on `device` for generation and
+        evaluation, built as the run built it; and words that say what was loaded, the base's precision included.
+        `unquantised_base`: a quantised base (`quantised_base`) loaded as the checkpoint holds it, in `dtype`."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -92,6 +104,12 @@ class Lora(Method):
     def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
         return save_adapter(model, out, self.cfg, base_model_name_or_path=str(Path(base_model).resolve()))
 
+    def load_final(self, final: Path, base_model: Path, dtype: torch.dtype, device: torch.device | str, *,
+                   unquantised_base: bool = False) -> tuple[nn.Module, str]:
+        # the adapter's own adapter_config.json says r, alpha and targets (the run's lora settings, as saved)
+        model, _ = load_adapter(load_model(base_model, dtype=dtype, device=device), final)
+        return model.eval(), f"adapter {final} on {base_model}"
+
     def describe(self) -> str:
         return f"lora r={self.cfg.r} alpha={self.cfg.alpha:g} on {','.join(self.cfg.target_modules)}"
 
@@ -102,6 +120,7 @@ class Qlora(Lora):
     adapter is saved exactly as LoRA's (PEFT format). `compute_dtype`: the activations' dtype (model.dtype), the
     dtype each projection is dequantised to for its GEMM."""
     name = "qlora"
+    quantised_base = "NF4"
 
     def __init__(self, cfg: LoraConfig, compute_dtype: torch.dtype):
         super().__init__(cfg)
@@ -112,6 +131,28 @@ class Qlora(Lora):
         # the base weights of the NF4 layers are consumed (quantised) by the hook as they are loaded
         self.load_hook = qlora_load_hook(model)
         return model
+
+    def load_final(self, final: Path, base_model: Path, dtype: torch.dtype, device: torch.device | str, *,
+                   unquantised_base: bool = False) -> tuple[nn.Module, str]:
+        """The adapter on the NF4 base it trained on, assembled as the run assembled it: built on the meta device,
+        LoRA and the NF4 layers applied, the checkpoint streamed through the quantising hook (so the base never
+        exists whole in `dtype`: a base that fits the GPU only as NF4 fits here too), then the adapter's A and B.
+        Each weight is rounded to the run's dtype before it is quantised, so the NF4 codes are the run's also when
+        `dtype` differs (float32 on the CPU for a bfloat16 run); the layers dequantise to `dtype`. In the run's
+        dtype and device this is the model the run evaluated: `gapless eval` on its eval data gives its eval loss.
+        `unquantised_base`: the adapter on the base as the checkpoint holds it, as a LoRA run's (what serving the
+        adapter on the original weights gives; `gapless export --merge` merges into the dequantised NF4 base)."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        if unquantised_base:
+            model, what = super().load_final(final, base_model, dtype, device)
+            return model, f"{what} in {dtype_name}, unquantised (the run trained on its NF4 quantisation)"
+        model = build(base_model)
+        cfg = read_adapter_config(final, model)
+        model = apply_qlora(model, cfg, dtype)
+        model = load_weights(model, dtype, device, hook=qlora_load_hook(model, self.compute_dtype))
+        model = load_adapter_weights(self.initialise(model, torch.device(device)), final, cfg)
+        assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "a tensor was not loaded"
+        return model.eval(), f"adapter {final} on {base_model} as NF4, as the run trained it ({dtype_name} compute)"
 
     def describe(self) -> str:
         return "q" + super().describe() + " (NF4 base)"
@@ -124,6 +165,7 @@ class Full(Method):
     an HF folder (gapless.model.export.save_pretrained) that transformers loads."""
     name = "full"
     final_name = "model"
+    final_holds_base = True
 
     def transform(self, model: nn.Module) -> nn.Module:
         return model.requires_grad_(True)
@@ -134,6 +176,10 @@ class Full(Method):
 
     def save_final(self, model: nn.Module, out: Path, base_model: Path) -> Path:
         return save_pretrained(model, out, source_dir=base_model)
+
+    def load_final(self, final: Path, base_model: Path, dtype: torch.dtype, device: torch.device | str, *,
+                   unquantised_base: bool = False) -> tuple[nn.Module, str]:
+        return load_model(final, dtype=dtype, device=device), f"model {final}"
 
 
 def method_of(cfg: RunConfig) -> Method:
