@@ -159,6 +159,28 @@ def test_meta_model_is_filled_by_the_load_hook(hf_checkpoint):
     assert torch.equal(layer.weight, loaded.model.layers[1].mlp.down_proj.weight)
 
 
+def test_load_hook_quantises_what_the_run_quantised(hf_checkpoint):
+    """A bfloat16 run quantises each weight as bfloat16; its model rebuilt in float32 (gapless eval on the CPU) rounds
+    the checkpoint's float32 weights to bfloat16 first (the hook's dtype), so it holds the run's NF4 codes, which
+    quantising the float32 weights would not give."""
+    from safetensors import safe_open
+
+    _, folder = hf_checkpoint("llama")  # float32 weights
+    models = {}
+    for name, dtype, hook_dtype in (("run", torch.bfloat16, None), ("float32", torch.float32, torch.bfloat16),
+                                    ("unrounded", torch.float32, None)):
+        meta = apply_qlora(gapless.load_model(folder).to("meta"), LoraConfig(r=4, alpha=8), dtype)
+        hook = qlora_load_hook(meta, hook_dtype)
+        with safe_open(folder / "model.safetensors", "pt") as st:
+            for k in st.keys():
+                hook(k, st.get_tensor(k).to(dtype))
+        models[name] = meta
+    packed = {name: torch.cat([m.weight_packed for m in model.modules() if isinstance(m, QLoraLinear)])
+              for name, model in models.items()}
+    assert torch.equal(packed["float32"], packed["run"])
+    assert not torch.equal(packed["unrounded"], packed["run"])
+
+
 def test_errors_name_the_shape():
     with pytest.raises(ValueError, match="multiple of the NF4 block size"):
         QLoraLinear(LoraLinear(nn.Linear(10, 10), 2, 1.0, 0.0, torch.float32, kernel="reference"), torch.float32)
