@@ -127,6 +127,47 @@ def test_a_full_fine_tuning_run_generates_and_evaluates_with_its_model(trained, 
     assert json.loads((run / "eval.json").read_text())[0]["model"] == f"model {run / 'model'}"
 
 
+def test_a_qlora_run_generates_on_the_nf4_base_it_trained_on(trained, capsys):
+    """A QLoRA run's adapter goes on the NF4 base it trained on, assembled as the run assembled it (on meta, quantised
+    as the weights stream in): its logits are the adapter's on the quantised base (to_qlora, as `gapless export
+    --merge` builds it), not on the unquantised one, which --unquantised-base gives instead, saying so. RUN/adapter
+    named directly loads as its run."""
+    from gapless.model.lora import load_adapter
+    from gapless.model.qlora import QLoraLinear, to_qlora
+
+    run = trained["root"] / "qlora"
+    train(load_config(data={
+        "model": {"path": str(trained["base"]), "dtype": "float32", "device": "cpu"}, "method": "qlora",
+        "data": {"sources": [{"path": str(trained["data"])}], "max_seq_len": 64, "tokens_per_batch": 128,
+                 "cache_dir": str(trained["root"] / "cache"), "num_workers": 0},
+        "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 1e-2}, "checkpoint": {"every": 0}, "train": {"steps": 4},
+        "output_dir": str(run), "progress": False}))
+    ids = torch.tensor([[1, 3, 10, 11, 12, 13, 14]])
+    plain, _ = load_adapter(load_model(trained["base"]), run / "adapter")
+    with torch.no_grad():
+        unquantised = plain(ids)
+        expected = to_qlora(plain, torch.float32)(ids)
+    assert (unquantised - expected).abs().max() > 1e-3  # the base's quantisation shows, so the parity means something
+    for source in (run, run / "adapter"):
+        loaded = load_for_generation(source, device="cpu")
+        assert sum(isinstance(m, QLoraLinear) for m in loaded.model.modules()) == 2 * 7
+        assert loaded.what.endswith("as NF4, as the run trained it (float32 compute)"), loaded.what
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.model(ids), expected, atol=1e-5, rtol=0)
+    loaded = load_for_generation(run, device="cpu", unquantised_base=True)
+    assert not any(isinstance(m, QLoraLinear) for m in loaded.model.modules())
+    assert "in float32, unquantised" in loaded.what
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), unquantised, atol=1e-5, rtol=0)
+
+    for flags, said in (([], "as NF4"), (["--unquantised-base"], "in float32, unquantised")):
+        assert main(["generate", str(run), "--prompt", "shift: abcd", "--max-new-tokens", "4", "--device", "cpu",
+                     *flags]) == 0
+        assert said in capsys.readouterr().err.splitlines()[0]
+    with pytest.warns(UserWarning, match="--unquantised-base is ignored: .* is a lora run"):
+        load_for_generation(trained["run"], device="cpu", unquantised_base=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_greedy_equals_no_cache(trained):

@@ -448,7 +448,16 @@ def _generation_args(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: random)")
     p.add_argument("--system", default=None, help="a system message before the user's")
     p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--dtype", default=None,
+                   help="the dtype computed in (default: on CUDA the run's model.dtype, else bfloat16; float32 on "
+                        "the CPU)")
+    _unquantised_base_arg(p)
+
+
+def _unquantised_base_arg(p) -> None:
+    p.add_argument("--unquantised-base", "--unquantized-base", action="store_true",
+                   help="a QLoRA run's adapter on its base as the checkpoint holds it (in --dtype), not on the NF4 "
+                        "base it trained on (the default); e.g. to see what the adapter does on the original weights")
 
 
 def _load_generation(args):
@@ -466,7 +475,8 @@ def _load_generation(args):
         error = check_local(value, name, "the model")
         if error:
             raise ValueError(error)
-    loaded = load_for_generation(args.source, device=args.device, dtype=args.dtype, base=args.base)
+    loaded = load_for_generation(args.source, device=args.device, dtype=args.dtype, base=args.base,
+                                 unquantised_base=args.unquantised_base)
     print(f"loaded {loaded.what}", file=sys.stderr)
     return loaded, stop_ids(loaded.tokenizer, loaded.model)
 
@@ -487,10 +497,12 @@ def _stats(gen) -> str:
 
 def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a run's model (chat template, KV cache)",
-                       description="Load a run's adapter on its base (or a base or merged model folder), put the "
-                                   "prompt through the chat template and decode with a KV cache: greedy by default, "
-                                   "sampled with --temperature/--top-p; stops at the end of the turn. Prints the "
-                                   "reply, then the token counts and tokens/s on stderr.")
+                       description="Load a run's adapter on its base as the run trained it (a QLoRA run's on "
+                                   "the NF4 base; or a base or merged model folder), put the prompt through the "
+                                   "chat template and decode with a KV cache: greedy by default, sampled with "
+                                   "--temperature/--top-p; stops at the end of the turn. Prints what it loaded (the "
+                                   "base's precision with it), the reply, then the token counts and tokens/s on "
+                                   "stderr.")
     _generation_args(p)
     p.add_argument("--prompt", required=True, action="append", help="the user's message (repeat for several)")
     p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
@@ -546,10 +558,12 @@ def run_chat(args) -> int:
 
 def register_eval(sub) -> None:
     p = sub.add_parser("eval", help="loss and perplexity on held-out data; GSM8K exact match",
-                       description="Evaluate a run's model (its adapter on its base): the mean loss and perplexity "
-                                   "over the trained tokens of --data, read, templated, masked and batched exactly as "
-                                   "the run's data config does; and with --gsm8k, exact match of the `#### N` answer "
-                                   "by greedy generation. Results go to RUN/eval.json and the console.")
+                       description="Evaluate a run's model as the run built it (its adapter on its base, NF4 for a "
+                                   "QLoRA run; a full run's model/): the mean loss and perplexity over the trained "
+                                   "tokens of --data, read, templated, masked and batched exactly as the run's data "
+                                   "config does (on the run's eval data, its own eval loss); and with --gsm8k, exact "
+                                   "match of the `#### N` answer by greedy generation. Results go to RUN/eval.json "
+                                   "and the console, with the model evaluated (the base's precision with it).")
     p.add_argument("run", metavar="RUN", help="the run folder")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
                    help="held-out data (a file, glob or folder; repeat for several)")
@@ -557,6 +571,7 @@ def register_eval(sub) -> None:
     p.add_argument("--limit", type=int, default=50, metavar="N", help="GSM8K problems to try (default 50)")
     p.add_argument("--max-new-tokens", type=int, default=320, metavar="N", help="per GSM8K answer (default 320)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _unquantised_base_arg(p)
     p.set_defaults(func=run_eval)
 
 
@@ -568,7 +583,9 @@ def run_eval(args) -> int:
     if args.gsm8k and (args.limit < 1 or args.max_new_tokens < 1):
         raise ValueError(f"--limit {args.limit}, --max-new-tokens {args.max_new_tokens}: give at least 1 of each")
     results = evaluate_run(args.run, data=args.data, gsm8k=args.gsm8k, limit=args.limit,
-                           max_new_tokens=args.max_new_tokens, device=args.device)
+                           max_new_tokens=args.max_new_tokens, device=args.device,
+                           unquantised_base=args.unquantised_base)
+    print(f"model: {results[0]['model']}")  # which base, for a QLoRA run: NF4 as trained, or unquantised
     for r in results:
         if r["kind"] == "loss":
             print(f"{r['data']}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} over "

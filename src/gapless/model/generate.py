@@ -153,41 +153,54 @@ class Loaded:
 
 
 def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str | None = None,
-                        base: str | Path | None = None) -> Loaded:
+                        base: str | Path | None = None, unquantised_base: bool = False) -> Loaded:
     """`source`: an HF model folder (a base or a merged model), a PEFT adapter folder (on `base`, or on the base
-    its adapter_config.json names), or a gapless run folder (its adapter/ on its config's model.path)."""
+    its adapter_config.json names), or a gapless run folder: its method's final save built as the run built it
+    (gapless.model.method.Method.load_final): a LoRA run's adapter/ on its config's model.path (or `base`), a QLoRA
+    run's on that base quantised to NF4 as in training (`unquantised_base`: as the checkpoint holds it instead), a
+    full run's model/. A run's adapter/ named directly loads as its run. `dtype` (default: on CUDA the run's
+    model.dtype, else bfloat16; float32 on the CPU) is the dtype the model computes in."""
     from transformers import AutoTokenizer
 
     from gapless.config import RunConfig, from_dict, read_yaml, resolve_device
-    from gapless.model.loading import load_model
+    from gapless.model.loading import load_model, read_config, resolve_dtype
     from gapless.model.lora import ADAPTER_CONFIG, load_adapter
+    from gapless.model.method import method_of
 
     source = Path(source)
-    run_config = source / "config.yaml"
+    run_dir = source if (source / "config.yaml").is_file() and not (source / "config.json").is_file() else None
+    if (source / ADAPTER_CONFIG).is_file() and source.name == "adapter" and (source.parent / "config.yaml").is_file():
+        run_dir = source.parent  # RUN/adapter: the run's final save, built as the run built it
+    cfg = method = None
     adapter_dir = tokenizer_dir = None
-    if (source / "config.json").is_file():
+    if run_dir is not None:
+        run_config = run_dir / "config.yaml"
+        cfg = from_dict(RunConfig, read_yaml(run_config), str(run_config))
+        method = method_of(cfg)
+        final = run_dir / method.final_name
+        tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
+        if not (final / ("config.json" if method.final_holds_base else ADAPTER_CONFIG)).is_file():
+            raise ValueError(f"{run_dir}: the run has no {method.final_name}/ yet (it writes one when it ends); "
+                             f"export a checkpoint first: gapless export {run_dir}/checkpoints/step-N --out DIR")
+        if method.final_holds_base:  # every weight trained: the run's final save is an HF folder, model/
+            base_dir = final
+            if base is not None:
+                warnings.warn(f"--base {base} is ignored: {run_dir} is a {method.name} run, whose "
+                              f"{method.final_name}/ holds every weight", stacklevel=2)
+        else:
+            adapter_dir = final
+            base_dir = Path(base or cfg.model.path)
+            saved = json.loads((final / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+            if base is None and not (base_dir / "config.json").is_file() and (Path(saved) / "config.json").is_file():
+                base_dir = Path(saved)  # model.path relative to another folder: the absolute path the adapter saved
+        if unquantised_base and method.quantised_base is None:
+            warnings.warn(f"--unquantised-base is ignored: {run_dir} is a {method.name} run, whose base is not "
+                          "quantised", stacklevel=2)
+    elif (source / "config.json").is_file():
         base_dir, tokenizer_dir = source, source
     elif (source / ADAPTER_CONFIG).is_file():
         adapter_dir = source
         base_dir = Path(base or json.loads((source / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
-    elif run_config.is_file():
-        cfg = from_dict(RunConfig, read_yaml(run_config), str(run_config))
-        tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path)
-        if cfg.method == "full":  # every weight trained: the run's final save is an HF folder, model/
-            base_dir = source / "model"
-            if not (base_dir / "config.json").is_file():
-                raise ValueError(f"{source}: the run has no model/ yet (a full fine-tuning run writes it when it "
-                                 f"ends); export a checkpoint first: gapless export "
-                                 f"{source}/checkpoints/step-N --out DIR")
-            if base is not None:
-                warnings.warn(f"--base {base} is ignored: {source} is a full fine-tuning run, whose model/ holds "
-                              "every weight", stacklevel=2)
-        else:
-            adapter_dir = source / "adapter"
-            if not (adapter_dir / ADAPTER_CONFIG).is_file():
-                raise ValueError(f"{source}: the run has no adapter/ yet (it writes one when it ends); export a "
-                                 f"checkpoint first: gapless export {source}/checkpoints/step-N --out DIR")
-            base_dir = Path(base or cfg.model.path)
     elif not source.exists():
         raise ValueError(f"{source}: not found; give a run folder, an adapter folder or a model folder")
     elif (source / "manifest.json").is_file():
@@ -196,6 +209,9 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
     else:
         raise ValueError(f"{source}: not a model folder (config.json), an adapter folder ({ADAPTER_CONFIG}) or a "
                          "gapless run folder (config.yaml)")
+    if unquantised_base and method is None:
+        warnings.warn(f"--unquantised-base is ignored: {source} is not a gapless run folder, so its base is loaded "
+                      "as its checkpoint holds it", stacklevel=2)
     if not (base_dir / "config.json").is_file():
         raise ValueError(f"{source}: its base model {str(base_dir)!r} is not a local model folder; pass --base DIR")
     if tokenizer_dir is None or not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json",
@@ -203,12 +219,19 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         tokenizer_dir = adapter_dir if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file() \
             else base_dir
     device = str(resolve_device(device, "--device"))
-    model = load_model(base_dir, dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-                       device=device)
-    what = f"model {base_dir}"
-    if adapter_dir is not None:
-        model, _ = load_adapter(model, adapter_dir)
-        what = f"adapter {adapter_dir} on {base_dir}"
+    on_cuda = device.startswith("cuda")
+    # a run's own dtype on CUDA, so that generation and evaluation compute as the run did; float32 on the CPU
+    # (its bfloat16 matmuls are slow, and float32 is the closer to any run); "auto": the base checkpoint's
+    dtype = resolve_dtype(dtype or ((cfg.model.dtype if cfg is not None else "bfloat16") if on_cuda else "float32"),
+                          read_config(base_dir))
+    if method is not None:
+        model, what = method.load_final(final, base_dir, dtype, device, unquantised_base=unquantised_base)
+    else:
+        model = load_model(base_dir, dtype=dtype, device=device)
+        what = f"model {base_dir}"
+        if adapter_dir is not None:
+            model, _ = load_adapter(model, adapter_dir)
+            what = f"adapter {adapter_dir} on {base_dir}"
     return Loaded(model.eval(), AutoTokenizer.from_pretrained(str(tokenizer_dir)), what)
 
 

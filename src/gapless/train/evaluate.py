@@ -89,14 +89,16 @@ def exact_match(loaded, problems: list[tuple[str, str]], max_new_tokens: int, so
 
 
 def evaluate_run(run: str | Path, *, data: list[str] = (), gsm8k: str | None = None, limit: int = 50,
-                 max_new_tokens: int = 320, device: str = "auto") -> list[dict]:
-    """The evaluations asked for, appended to RUN/eval.json (a list of records, each with its time)."""
+                 max_new_tokens: int = 320, device: str = "auto", unquantised_base: bool = False) -> list[dict]:
+    """The evaluations asked for, each naming the model evaluated (for a QLoRA run the NF4 base it trained on, or
+    with `unquantised_base` the base as its checkpoint holds it), appended to RUN/eval.json (a list of records, each
+    with its time)."""
     from gapless.model.generate import load_for_generation
     from gapless.train.export import run_config_of
 
     run_dir = Path(run)
     cfg = run_config_of(run_dir)
-    loaded = load_for_generation(run_dir, device=device)
+    loaded = load_for_generation(run_dir, device=device, unquantised_base=unquantised_base)
     model_device = next(loaded.model.parameters()).device
     results = []
     if data:
@@ -104,8 +106,9 @@ def evaluate_run(run: str | Path, *, data: list[str] = (), gsm8k: str | None = N
     if gsm8k:
         results.append(exact_match(loaded, read_problems(gsm8k, limit), max_new_tokens, str(gsm8k)))
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results = [{**r, "model": loaded.what, "time": when} for r in results]
     path = run_dir / "eval.json"
     history = json.loads(path.read_text()) if path.is_file() else []
-    history += [{**r, "model": loaded.what, "time": when} for r in results]
+    history += results
     path.write_text(json.dumps(history, indent=1) + "\n")
     return results
