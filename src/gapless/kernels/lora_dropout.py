@@ -67,13 +67,9 @@ BWD_WARPS = 4
 # whether the forward also writes its mask, packed 8 columns to a byte, for the backward to read instead of drawing
 # it again: 1/16 of x's bytes kept per group's input (0.98 GB over Llama-3.2-3B's 28 layers at 16,384 tokens;
 # gapless.meter.memory counts it) against the backward's Philox draws, 0.146 of its 0.703 ms per layer on the H100
-# (bench/dropout_probe.py, run s22). Session 18's version lost (bench/RESULTS.md, fifteenth round: the forward +39
-# ms a step, the backward +2): it packed the joined mask by a reshape and a sum, which the compiler lays out through
-# shared memory (5 conversions a tile, compiled for sm_90 on the CPU). This one packs from the Philox words in their
-# own layout (packed_keep_block): its forward converts nothing and draws no more than without (bench/kernel_ir.py),
-# and its backward converts 3 layouts a tile against 4, with no Philox multiply. Session 18's backward read bits no
-# faster than it drew them, so the gain is in doubt. Off until bench/dropout_probe.py's `stored` and the bench
-# config default_dropout_stored are measured on a GPU
+# (bench/dropout_probe.py, run s22). Off until bench/dropout_probe.py's `stored` is measured on a GPU; compiled for
+# sm_90 on the CPU the stored backward's loop converts 3 layouts a tile against 4 and has no Philox multiply
+# (bench/kernel_ir.py)
 STORE_MASK = False
 # the backward's grid: ceil(in / BWD_BLOCK_K) column blocks x enough splits of N for about this many programs (~4
 # per SM on 132 SMs); each split writes an [R, in] float32 partial of dA, ~0.6 MB per split for R = 48, in = 3072
