@@ -157,9 +157,9 @@ def forward(x, a, seed, p, v):
     splits, per_split = lora_dropout._forward_splits(k, v["block_k"], v["splits"])
     out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
     kernels.dropout_xa_kernel[(_cdiv(n, v["block_m"]), splits)](
-        x, a, out, seed, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=v["block_m"],
+        x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=v["block_m"],
         BLOCK_K=v["block_k"], BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=v["rounds"],
-        STORE_MASK=False, num_warps=v["warps"])
+        num_warps=v["warps"])
     return out if splits == 1 else out.sum(0).to(x.dtype)
 
 
@@ -170,9 +170,9 @@ def backward(dxa, x, a, seed, p, v):
     dx = torch.empty_like(x)
     partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
     kernels.dropout_xa_backward_kernel[(_cdiv(k, v["block_k"]), splits)](
-        x, a, dxa, dx, partials, seed, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
+        x, a, dxa, dx, partials, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
         BLOCK_M=v["block_m"], BLOCK_K=v["block_k"], BLOCK_R=_block_r(r), NEED_DX=True, IEEE=x.dtype == torch.float32,
-        N_ROUNDS=v["rounds"], STORED_MASK=False, num_warps=v["warps"])
+        N_ROUNDS=v["rounds"], num_warps=v["warps"])
     return dx, partials.sum(0)
 
 
@@ -352,9 +352,8 @@ def measure(shape: Shape, kernel: str, v: dict, time_fn) -> dict:
 
 def check_library(shape: Shape) -> bool:
     """The launches here are the library's: its ops equal the defaults' launches bit for bit."""
-    xa, bits = torch.ops.gapless.lora_dropout_xa(shape.x, shape.a, shape.seed, shape.p)
-    dx, da = torch.ops.gapless.lora_dropout_xa_backward(shape.dxa, shape.x, shape.a, shape.seed, bits, shape.p, True,
-                                                        False)
+    xa = torch.ops.gapless.lora_dropout_xa(shape.x, shape.a, shape.seed, shape.p)
+    dx, da = torch.ops.gapless.lora_dropout_xa_backward(shape.dxa, shape.x, shape.a, shape.seed, shape.p, True)
     return torch.equal(xa, shape.fwd_ref) and torch.equal(dx, shape.bwd_ref[0]) and torch.equal(da, shape.bwd_ref[1])
 
 

@@ -1,7 +1,6 @@
 """Where the fused LoRA dropout kernels' time goes (issue 18: dropout 0.05 costs 4.2-4.6% of a Llama-3.2-3B step on an
 H100, the target is 3%): the forward and the backward of gapless.kernels.lora_dropout_triton timed at the library's
-blocks and warps with five masks, on Llama-3.2-3B's four LoRA A shapes at 16,384 tokens (run s22 had the first
-three).
+blocks and warps with three masks, on Llama-3.2-3B's four LoRA A shapes at 16,384 tokens (not yet run on a GPU).
 
     PYTHONPATH=src python3 bench/dropout_probe.py [--tokens 16384] [--out FILE]
     TRITON_INTERPRET=1 PYTHONPATH=src python bench/dropout_probe.py --smoke    # CPU: tiny shapes, checks only
@@ -10,22 +9,16 @@ Masks:
 - philox: the library's (lora_dropout_triton.keep_block: Philox-4x32, 16-bit halves laid out by joins);
 - hash: one 32-bit multiply per element of (row * in + column) + seed, in the tile's own layout (no joins, no
   Philox): a mask as cheap as a mask can be, not one to train with;
-- none: every element kept (the compiler drops the select): the kernels' structure alone, the loads and the dots;
-- philox7: the library's mask at 7 Philox rounds, not 10 (Salmon et al. 2011: 7 already pass BigCrush);
-- stored: the library's ops with lora_dropout.STORE_MASK's path: the forward draws the mask and also writes it,
-  packed 8 columns to a byte ([N, ceil(in / 8)] uint8, 1/16 of x's bytes; 0.98 GB over Llama-3.2-3B's 28 layers at
-  16,384 tokens), and the backward reads it instead of drawing it again (no Philox, no joins).
+- none: every element kept (the compiler drops the select): the kernels' structure alone, the loads and the dots.
 Beside them, the traffic floors (x read once; x read and dx written) from a copy of x.
 
-How to read it: stored against philox, forward plus backward, is what keeping the mask saves (STORE_MASK's
-question); philox7 against philox what the last three rounds cost; philox against hash what the Philox draws and
-their unpacking cost; hash against none what any mask costs by standing between the loads and the dots (x through
-registers instead of straight to the dot); none against the floor the kernels' structure (the grid, the blocks, the
-small-R dots). The largest gap is where a redesign pays.
+How to read it: philox against hash is what the Philox draws and their unpacking cost; hash against none is what any
+mask costs by standing between the loads and the dots (x through registers instead of straight to the dot); none
+against the floor is the kernels' structure (the grid, the blocks, the small-R dots). The largest gap is where a
+redesign pays.
 
---smoke checks, under Triton's interpreter: the philox variant equals the library's ops bit for bit; stored's
-forward equals the library's drawn mask and its backward's dx the mask drawn again; `none` equals x A^T (forward)
-and dxa A with dA = dxa^T x (backward) within float32 tolerance.
+--smoke checks, under Triton's interpreter, that the philox variant equals the library's launches bit for bit, and
+that `none` equals x A^T (forward) and dxa A with dA = dxa^T x (backward) within float32 tolerance.
 """
 from __future__ import annotations
 
@@ -49,9 +42,7 @@ from gapless.kernels.lora_dropout import _block_r, _cdiv, keep_threshold  # noqa
 
 SHAPES = [("q/k/v", 3072, 48), ("gate/up", 3072, 32), ("o_proj", 3072, 16), ("down_proj", 8192, 16)]  # name, in, R
 SMOKE_SHAPES = [("q/k/v", 80, 48), ("down_proj", 136, 16)]
-ROUNDS = kernels.PHILOX_ROUNDS
-# name: (the probe kernels' MASK, Philox rounds); `stored` runs the library's ops (MASK None)
-MASKS = {"philox": (0, ROUNDS), "philox7": (0, 7), "stored": (None, ROUNDS), "hash": (1, ROUNDS), "none": (2, ROUNDS)}
+MASKS = {"philox": 0, "hash": 1, "none": 2}
 
 
 @triton.jit
@@ -131,51 +122,37 @@ def probe_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, N, K,
 
 
 def forward(x, a, seed, p, mask: str):
-    """(xa, the packed mask: empty but for `stored`) under `mask`."""
     (n, k), r = x.shape, a.shape[0]
-    kind, rounds = MASKS[mask]
-    if kind is None:
-        return torch.ops.gapless.lora_dropout_xa(x, a, seed, p, True)
     out = x.new_empty(n, r)
     probe_forward_kernel[(_cdiv(n, lora_dropout.FWD_BLOCK_M),)](
         x, a, out, seed, n, k, r, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=lora_dropout.FWD_BLOCK_M,
-        BLOCK_K=lora_dropout.FWD_BLOCK_K, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=rounds,
-        MASK=kind, num_warps=lora_dropout.FWD_WARPS)
-    return out, None
+        BLOCK_K=lora_dropout.FWD_BLOCK_K, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32,
+        N_ROUNDS=kernels.PHILOX_ROUNDS, MASK=MASKS[mask], num_warps=lora_dropout.FWD_WARPS)
+    return out
 
 
-def backward(dxa, x, a, seed, p, mask: str, programs: int, bits=None):
-    """(dx, dA) under `mask`; `stored` reads the mask from `bits`, which its forward wrote."""
+def backward(dxa, x, a, seed, p, mask: str, programs: int):
     (n, k), r = x.shape, a.shape[0]
-    kind, rounds = MASKS[mask]
-    if kind is None:
-        return torch.ops.gapless.lora_dropout_xa_backward(dxa, x, a, seed, bits, p, True, True)
     bm, bk = lora_dropout.BWD_BLOCK_M, lora_dropout.BWD_BLOCK_K
     splits, rows_per_split = lora_dropout._backward_splits(n, k, bm, bk, programs)
     dx = torch.empty_like(x)
     partials = x.new_empty(splits, r, k, dtype=torch.float32)
     probe_backward_kernel[(_cdiv(k, bk), splits)](
         x, a, dxa, dx, partials, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=bm,
-        BLOCK_K=bk, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=rounds, MASK=kind,
-        num_warps=lora_dropout.BWD_WARPS)
+        BLOCK_K=bk, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
+        MASK=MASKS[mask], num_warps=lora_dropout.BWD_WARPS)
     return dx, partials.sum(0)
 
 
 def check(x, a, dxa, seed, p, programs) -> list[str]:
     """The smoke run's checks (module docstring); the failures' descriptions, empty when all pass."""
     failures = []
-    library, _ = torch.ops.gapless.lora_dropout_xa(x, a, seed, p)
-    if not torch.equal(forward(x, a, seed, p, "philox")[0], library):
+    library = torch.ops.gapless.lora_dropout_xa(x, a, seed, p)
+    if not torch.equal(forward(x, a, seed, p, "philox"), library):
         failures.append("forward philox differs from the library's op")
-    dx_lib, _ = torch.ops.gapless.lora_dropout_xa_backward(dxa, x, a, seed, x.new_empty(0, dtype=torch.uint8), p,
-                                                           True, False)
+    dx_lib, _ = torch.ops.gapless.lora_dropout_xa_backward(dxa, x, a, seed, p, True)
     if not torch.equal(backward(dxa, x, a, seed, p, "philox", programs)[0], dx_lib):
         failures.append("backward philox dx differs from the library's op")
-    xa, bits = forward(x, a, seed, p, "stored")
-    if not torch.equal(xa, library):
-        failures.append("forward stored differs from the library's drawn mask")
-    if not torch.equal(backward(dxa, x, a, seed, p, "stored", programs, bits)[0], dx_lib):
-        failures.append("backward stored dx (the mask read back) differs from the mask drawn again")
     scale = 1.0 / (1.0 - p)
     tol = 1e-4 if x.dtype == torch.float32 else 2e-2  # bf16's x, dxa and outputs on a GPU
     xf, af, dxaf = x.float(), a.to(x.dtype).float(), dxa.float()
@@ -183,7 +160,7 @@ def check(x, a, dxa, seed, p, programs) -> list[str]:
     def close(got, want):
         return torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
-    if not close(forward(x, a, seed, p, "none")[0], xf @ af.T * scale):
+    if not close(forward(x, a, seed, p, "none"), xf @ af.T * scale):
         failures.append("forward none differs from x A^T / (1 - p)")
     dx, da = backward(dxa, x, a, seed, p, "none", programs)
     if not (close(dx, dxaf @ af * scale) and close(da, dxaf.T @ xf * scale)):
@@ -221,11 +198,10 @@ def main(argv=None) -> int:
                    floor_read_ms=do_bench(lambda: torch.empty_like(x).copy_(x), warmup=5, rep=20,
                                           return_mode="median") / 2)
         row["floor_read_write_ms"] = 2 * row["floor_read_ms"]
-        _, bits = forward(x, a, seed, args.p, "stored")
         for mask in MASKS:
             row[f"forward_{mask}_ms"] = do_bench(lambda: forward(x, a, seed, args.p, mask), warmup=5, rep=20,
                                                  return_mode="median")
-            row[f"backward_{mask}_ms"] = do_bench(lambda: backward(dxa, x, a, seed, args.p, mask, programs, bits),
+            row[f"backward_{mask}_ms"] = do_bench(lambda: backward(dxa, x, a, seed, args.p, mask, programs),
                                                   warmup=5, rep=20, return_mode="median")
         rows.append(row)
     print("checks: " + ("; ".join(failures) if failures else "all pass"))

@@ -16,9 +16,6 @@ bf16 to a thread, the mask is drawn in that layout and its joins stay in registe
 tile: two of the joins' halves, because the mask is built in two layouts (one for x, one for dx), the mask into the
 dots' accumulator layout for dx, and dx back for its store. Both loops wait for their dots at once. Session 22's
 counts (4 and 8) came from a compile without those attributes: unvectorised loads, layouts no launch makes.
-With lora_dropout.STORE_MASK's path: the forward that also writes its mask packed converts none and draws no more
-(64 Philox multiplies, the draws shared); the backward that reads it converts 3 (the packed bytes, 8x fewer elements
-than the mask, into the accumulator's layout; dx back) and multiplies none.
 """
 from __future__ import annotations
 
@@ -37,11 +34,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from gapless.kernels import lora_dropout  # noqa: E402
 from gapless.kernels import lora_dropout_triton as kernels  # noqa: E402
 
-FORWARD_SIGNATURE = {"x_ptr": "*bf16", "a_ptr": "*fp32", "out_ptr": "*bf16", "seed_ptr": "*i64", "bits_ptr": "*u8",
-                     "N": "i32", "K": "i32", "R": "i32", "k_per_split": "i32", "threshold": "i32", "scale": "fp32"}
+FORWARD_SIGNATURE = {"x_ptr": "*bf16", "a_ptr": "*fp32", "out_ptr": "*bf16", "seed_ptr": "*i64", "N": "i32",
+                     "K": "i32", "R": "i32", "k_per_split": "i32", "threshold": "i32", "scale": "fp32"}
 BACKWARD_SIGNATURE = {"x_ptr": "*bf16", "a_ptr": "*fp32", "dxa_ptr": "*bf16", "dx_ptr": "*bf16", "da_ptr": "*fp32",
-                      "seed_ptr": "*i64", "bits_ptr": "*u8", "N": "i32", "K": "i32", "R": "i32",
-                      "rows_per_split": "i32", "threshold": "i32", "scale": "fp32"}
+                      "seed_ptr": "*i64", "N": "i32", "K": "i32", "R": "i32", "rows_per_split": "i32",
+                      "threshold": "i32", "scale": "fp32"}
 
 
 def loop_lines(ttgir: str) -> list[str]:
@@ -91,19 +88,13 @@ def main(argv=None) -> int:
                                                       lora_dropout.BACKWARD_PROGRAMS)
     values = dict(N=n, K=k, R=r, k_per_split=k_per_split, rows_per_split=rows_per_split,
                   threshold=lora_dropout.keep_threshold(0.05))
-    forward = dict(BLOCK_M=lora_dropout.FWD_BLOCK_M, BLOCK_K=lora_dropout.FWD_BLOCK_K, BLOCK_R=64, IEEE=False,
-                   N_ROUNDS=rounds)
-    backward = dict(BLOCK_M=lora_dropout.BWD_BLOCK_M, BLOCK_K=lora_dropout.BWD_BLOCK_K, BLOCK_R=64, NEED_DX=True,
-                    IEEE=False, N_ROUNDS=rounds)
     jobs = {
-        "forward": (kernels.dropout_xa_kernel, FORWARD_SIGNATURE, dict(forward, STORE_MASK=False),
-                    lora_dropout.FWD_WARPS),
-        "forward, mask stored": (kernels.dropout_xa_kernel, FORWARD_SIGNATURE, dict(forward, STORE_MASK=True),
-                                 lora_dropout.FWD_WARPS),
-        "backward": (kernels.dropout_xa_backward_kernel, BACKWARD_SIGNATURE, dict(backward, STORED_MASK=False),
-                     lora_dropout.BWD_WARPS),
-        "backward, mask read": (kernels.dropout_xa_backward_kernel, BACKWARD_SIGNATURE,
-                                dict(backward, STORED_MASK=True), lora_dropout.BWD_WARPS),
+        "forward": (kernels.dropout_xa_kernel, FORWARD_SIGNATURE,
+                    dict(BLOCK_M=lora_dropout.FWD_BLOCK_M, BLOCK_K=lora_dropout.FWD_BLOCK_K, BLOCK_R=64, IEEE=False,
+                         N_ROUNDS=rounds), lora_dropout.FWD_WARPS),
+        "backward": (kernels.dropout_xa_backward_kernel, BACKWARD_SIGNATURE,
+                     dict(BLOCK_M=lora_dropout.BWD_BLOCK_M, BLOCK_K=lora_dropout.BWD_BLOCK_K, BLOCK_R=64, NEED_DX=True,
+                          IEEE=False, N_ROUNDS=rounds), lora_dropout.BWD_WARPS),
     }
     print(f"triton {triton.__version__}, sm_{args.arch}, BLOCK_R 64 (q/k/v's R 48), {rounds} Philox rounds")
     for name, (fn, signature, constants, warps) in jobs.items():

@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from gapless.kernels.lora import lora_linear_grouped, lora_linear_reference  # noqa: E402
-from gapless.kernels.lora_dropout import FusedDropout, lora_dropout_a  # noqa: E402
+from gapless.kernels.lora_dropout import lora_dropout_a  # noqa: E402
 
 GROUPS = [("q/k/v", 3072, (16, 16, 16), (3072, 1024, 1024)), ("gate/up", 3072, (16, 16), (8192, 8192)),
           ("down_proj", 8192, (16,), (3072,))]
@@ -57,7 +57,7 @@ def group_fn(ranks):
 
 def a_only(x, a_s, dropout):
     if isinstance(dropout, nn.Dropout):
-        return lora_dropout_a(x, a_s, dropout if isinstance(dropout, FusedDropout) else FusedDropout(dropout.p))
+        return lora_dropout_a(x, a_s, dropout.p)
     xd = x if dropout is None else dropout(x)
     return F.linear(xd, torch.cat([a.to(x.dtype) for a in a_s]))
 

@@ -194,20 +194,6 @@ def test_checkpoint_activations_same_gradients_recomputes_and_keeps_names(tmp_pa
         checkpoint_activations(model)
 
 
-@pytest.mark.parametrize("store", [None, True, False])
-def test_build_model_sets_whether_fused_dropout_keeps_its_mask(store):
-    """Recipe.store_dropout_mask reaches every FusedDropout (None leaves the library's STORE_MASK) and its row's
-    description says which."""
-    from gapless.kernels import lora_dropout
-
-    recipe = replace(CONFIGS["default_dropout"], attn="sdpa", compile=False, store_dropout_mask=store)
-    model, _ = build_model(ModelArgs(**TINY), recipe, torch.device("cpu"), torch.float32, lora_r=4)
-    drops = [m for m in model.modules() if isinstance(m, lora_dropout.FusedDropout)]
-    assert len(drops) == 7 * TINY["num_hidden_layers"]  # one per LoRA projection
-    assert {m.store_mask for m in drops} == {lora_dropout.STORE_MASK if store is None else store}
-    assert ("mask stored" in recipe.describe()) == (store is True)
-
-
 def test_build_model_assembles_random_weights_ties_head_and_inits():
     args = ModelArgs(**TINY)
     model, method = build_model(args, Recipe("packed", "sdpa", "fused"), torch.device("cpu"), torch.float32, lora_r=4)
@@ -302,7 +288,6 @@ def test_default_recipe_is_what_a_default_config_resolves_to():
     assert recipe.loss_chunk == DEFAULT_CHUNK_SIZE and recipe.method == "lora"
     assert CONFIGS["default_dropout"] == replace(recipe, lora_dropout=0.05)
     assert CONFIGS["default_dropout_torch"] == replace(recipe, lora_dropout=0.05, fused_dropout=False)
-    assert CONFIGS["default_dropout_stored"] == replace(recipe, lora_dropout=0.05, store_dropout_mask=True)
     assert CONFIGS["default_grouped"] == replace(recipe, lora_kernel="grouped")
     assert CONFIGS["default_concat"] == replace(recipe, lora_kernel="concat")
     assert CONFIGS["default_dropout_grouped"] == replace(recipe, lora_kernel="grouped", lora_dropout=0.05)

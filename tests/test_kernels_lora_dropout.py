@@ -230,13 +230,10 @@ SHAPES = [(100, 200, (4, 8, 5), (200, 40, 40)), (70, 203, (3,), (50,)), (130, 72
 
 
 @triton_only
-@pytest.mark.parametrize("store_mask", [False, True], ids=["drawn-again", "stored"])
 @pytest.mark.parametrize("n, k, ranks, outs", SHAPES)
-def test_interpreted_fused_equals_formula_under_its_mask(interpreted, monkeypatch, n, k, ranks, outs, store_mask):
+def test_interpreted_fused_equals_formula_under_its_mask(interpreted, monkeypatch, n, k, ranks, outs):
     """float32 on the CPU: every output, dx, dA and dB of the fused path equal the per-layer reference formula with
-    dropout(x) = mask * x / (1 - p), the mask materialised from the same seed; with the backward drawing the mask
-    again and with it reading the mask the forward stored (STORE_MASK)."""
-    monkeypatch.setattr(lora_dropout, "STORE_MASK", store_mask)
+    dropout(x) = mask * x / (1 - p), the mask materialised from the same seed."""
     seed = fused_on(monkeypatch, "cpu", 1234)
     x, ws, bs, a_s, b_s, dys = lora_group(n, k, ranks, outs)
     drop = FusedDropout(P).train()
@@ -262,26 +259,11 @@ def test_interpreted_forward_split_k_equals_one_split(interpreted, monkeypatch, 
         monkeypatch.setattr(lora_dropout, "FWD_SPLIT_K", s)
         assert lora_dropout._forward_splits(k, lora_dropout.FWD_BLOCK_K, s)[0] == (1 if s == 1 else splits)
         xx, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
-        out, _ = torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P)
+        out = torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P)
         out.pow(2).sum().backward()
         got[s] = (out, xx.grad, aa.grad)
     for g, w in zip(got[split_k], got[1]):
         assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
-
-
-@triton_only
-def test_interpreted_stored_mask_is_the_drawn_mask_packed(interpreted):
-    """The forward's packed mask [N, ceil(in / 8)] uint8: bit j of byte (n, g) is the keep of column 8 g + j, the
-    mask the kernels draw, for `in` not a multiple of 8 and N not one of the block; without store_mask it is empty."""
-    n, k = 70, 203
-    seed = torch.tensor([5])
-    x, a = torch.randn(n, k), torch.randn(4, k)
-    xa, bits = torch.ops.gapless.lora_dropout_xa(x, a, seed, P, True)
-    assert bits.shape == (n, 26) and bits.dtype == torch.uint8
-    unpacked = (bits[:, :, None].int() >> torch.arange(8)) & 1  # [n, 26, 8]
-    assert torch.equal(unpacked.reshape(n, -1)[:, :k].bool(), interpreted(seed, n, k, P))
-    drawn, empty = torch.ops.gapless.lora_dropout_xa(x, a, seed, P)
-    assert torch.equal(xa, drawn) and empty.numel() == 0
 
 
 @triton_only
@@ -293,7 +275,7 @@ def test_interpreted_input_without_gradient(interpreted):
     for needs in (True, False):
         xx = x.clone().requires_grad_(needs)
         aa = a.clone().requires_grad_()
-        torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P)[0].sum().backward()
+        torch.ops.gapless.lora_dropout_xa(xx, aa, seed, P).sum().backward()
         grads.append(aa.grad)
     assert_close(grads[0], grads[1], atol=0, rtol=0)
 
@@ -311,7 +293,7 @@ def test_interpreted_mask_statistics(interpreted):
     assert (masks[1] != masks[2]).float().mean() > 0.3  # 2 p (1 - p) = 0.42 of elements differ between seeds
     # the forward kernel's own mask, read through an identity: x = 1, A picking one column at a time per row block
     picks = torch.eye(k)[:64]  # [64, k]: rows 0..63 pick columns 0..63
-    got, _ = torch.ops.gapless.lora_dropout_xa(torch.ones(n, k), picks, torch.tensor([1]), P)  # [n, 64]
+    got = torch.ops.gapless.lora_dropout_xa(torch.ones(n, k), picks, torch.tensor([1]), P)  # [n, 64]
     assert torch.equal(got != 0, masks[1][:, :64])
     assert_close(got[got != 0], torch.full_like(got[got != 0], 1 / (1 - P)))
 

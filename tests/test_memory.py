@@ -103,19 +103,6 @@ def test_lora_dropout_fused_keeps_no_masks():
         pytest.approx(100 * 2 * 320)
 
 
-def test_fused_dropout_that_keeps_its_mask_counts_it_packed(monkeypatch):
-    """With gapless.kernels.lora_dropout.STORE_MASK the fused forward keeps its mask for the backward, 1 bit per
-    element: an eighth of the bool masks the torch path keeps."""
-    from gapless.kernels import lora_dropout
-
-    def activations(method, **kw):
-        return _rows(estimate_memory(TINY, method, tokens=100, **kw))["activations"]
-
-    monkeypatch.setattr(lora_dropout, "STORE_MASK", True)
-    assert activations("lora", lora_dropout=0.05, lora_dropout_fused=True) - activations("lora") == \
-        pytest.approx(100 * 2 * 320 / 8)
-
-
 def test_estimate_kwargs_counts_no_masks_for_fused_dropout_on_a_gpu():
     """A GPU run (the default: plans for GPUs made anywhere) with lora.fused_dropout keeps no masks; a CPU run or
     lora.fused_dropout false counts them."""

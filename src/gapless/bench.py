@@ -86,7 +86,6 @@ from gapless.config import ALL_LINEAR, DataConfig, LoraConfig, OptimConfig, from
 from gapless.data.batching import Batch, BatchSampler, Mixture
 from gapless.data.cache import TokenizedDataset
 from gapless.kernels.attention import choose_backend
-from gapless.kernels.lora_dropout import FusedDropout
 from gapless.kernels.loss import DEFAULT_CHUNK_SIZE
 from gapless.meter.flops import measure_peak_flops, mfu, step_flops
 from gapless.model.decoder import CausalLM, ModelArgs
@@ -117,9 +116,6 @@ class Recipe:
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the fused loss: its transient is chunk * vocab * 6 B
     lora_dropout: float = 0.0
     fused_dropout: bool = True  # lora.fused_dropout: the mask drawn in the A matmul's kernels (CUDA with triton)
-    # whether those kernels keep the mask they drew for the backward (FusedDropout.store_mask); None: the library's
-    # gapless.kernels.lora_dropout.STORE_MASK
-    store_dropout_mask: bool | None = None
     method: str = "lora"  # config.method: lora | qlora (NF4 base) | full (every weight, float32 masters)
     # inductor's settings for the compiled layers, (name, value) pairs (gapless.train.compile.compile_layers)
     inductor: tuple[tuple[str, object], ...] = ()
@@ -129,8 +125,7 @@ class Recipe:
         return ", ".join(parts + (["ckpt"] if self.checkpoint else []) + (["compiled layers"] if self.compile else [])
                          + ([f"{self.lora_kernel} LoRA"] if self.lora_kernel != "reference" else [])
                          + ([f"loss chunk {self.loss_chunk}"] if self.loss_chunk != DEFAULT_CHUNK_SIZE else [])
-                         + ([f"LoRA dropout {self.lora_dropout:g}" + ("" if self.fused_dropout else " (torch)")
-                             + {None: "", True: " (mask stored)", False: " (mask drawn again)"}[self.store_dropout_mask]]
+                         + ([f"LoRA dropout {self.lora_dropout:g}" + ("" if self.fused_dropout else " (torch)")]
                             if self.lora_dropout else [])
                          + ([f"method {self.method}"] if self.method != "lora" else [])
                          + [f"inductor {name}={value}" for name, value in self.inductor])
@@ -197,10 +192,6 @@ CONFIGS = {
     # 33,668 against 33,722 real tok/s, -0.2%): the heuristics' blocks already do as well; kept for the A/B only
     "default_cdt": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
                           inductor=(("coordinate_descent_tuning", True),)),
-    # default_dropout with the fused forward keeping its mask, 1 bit per element, for the backward to read instead of
-    # drawing it again (gapless.kernels.lora_dropout.STORE_MASK; bench/dropout_probe.py times the kernels alone)
-    "default_dropout_stored": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="concat_b",
-                                     lora_dropout=0.05, store_dropout_mask=True),
     "default_dropout_grouped": Recipe("packed", "auto", "fused_compiled", compile=True, lora_kernel="grouped",
                                       lora_dropout=0.05),
     # default_dropout with torch's nn.Dropout (lora.fused_dropout: false): a bool mask per group saved for backward
@@ -241,10 +232,6 @@ def build_model(args: ModelArgs, recipe: Recipe, device: torch.device, dtype: to
                      tensors=random_tensors(model, device, dtype, seed))
     model.loss_chunk_size = None if recipe.loss == "materialised" else recipe.loss_chunk
     model.loss_step = LOSS_STEPS.get(recipe.loss, "eager")
-    if recipe.store_dropout_mask is not None:  # before the layers' first call, which compiles them
-        for module in model.modules():
-            if isinstance(module, FusedDropout):
-                module.store_mask = recipe.store_dropout_mask
     return model, method
 
 

@@ -47,7 +47,7 @@ def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a
     down_proj), where an nn.Dropout in training on CUDA can run fused (module docstring) and save no mask.
     """
     if fused_dropout_applies(x, dropout):
-        xa = lora_dropout_a(x, [lora_a], dropout)  # [..., r]
+        xa = lora_dropout_a(x, [lora_a], dropout.p)  # [..., r]
     else:
         xd = x if dropout is None else dropout(x)
         xa = F.linear(xd, lora_a.to(x.dtype))  # [..., r]
@@ -71,7 +71,7 @@ def lora_linear_grouped(x: Tensor, weights: Sequence[Tensor], biases: Sequence[T
     """
     ranks = [lora_a.shape[0] for lora_a in lora_as]
     if fused_dropout_applies(x, dropout):
-        xas = lora_dropout_a(x, list(lora_as), dropout).split(ranks, dim=-1)  # each [..., r]
+        xas = lora_dropout_a(x, list(lora_as), dropout.p).split(ranks, dim=-1)  # each [..., r]
     else:
         xd = x if dropout is None else dropout(x)
         a = torch.cat([lora_a.to(x.dtype) for lora_a in lora_as])  # [sum r, in]
@@ -231,7 +231,7 @@ def lora_linear_concat_b(x: Tensor, buffer: Tensor, biases: Sequence[Tensor | No
         f"concat_b buffer {tuple(buffer.shape)} {buffer.dtype} does not hold outputs {outs}, input {x.shape[-1]} and "
         f"ranks {ranks} in {x.dtype}")
     if fused_dropout_applies(x, dropout):
-        xa = lora_dropout_a(x, list(lora_as), dropout)  # [..., R]
+        xa = lora_dropout_a(x, list(lora_as), dropout.p)  # [..., R]
     else:
         xd = x if dropout is None else dropout(x)
         xa = F.linear(xd, torch.cat([a.to(x.dtype) for a in lora_as]))  # [..., R]

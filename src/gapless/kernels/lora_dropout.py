@@ -24,9 +24,7 @@ torch draws it once and stores it. Masks are per group, as the torch path draws 
 same x share one mask (PEFT draws one per projection: the same distribution per element and the same expected
 update, a different sample). torch's own dropout draws from its generator differently, so the two paths keep
 different elements for the same torch seed; each is reproducible under torch.manual_seed. With activation
-checkpointing the recomputed forward draws the same seed (checkpoint restores the generator's state). With
-STORE_MASK the forward also writes the mask it drew, 1 bit per element, and the backward reads it instead of drawing:
-the same mask bit for bit, for 1/16 of x's bytes kept instead of a second draw.
+checkpointing the recomputed forward draws the same seed (checkpoint restores the generator's state).
 
 Where it runs: for a FusedDropout (what LoraLinear holds under lora.fused_dropout: true, the default) in training,
 on CUDA tensors with triton importable and torch >= 2.6 (torch.library.triton_op, so torch.compile traces the
@@ -64,13 +62,6 @@ FWD_SPLIT_K = 1
 BWD_BLOCK_M = 64
 BWD_BLOCK_K = 64
 BWD_WARPS = 4
-# whether the forward also writes its mask, packed 8 columns to a byte, for the backward to read instead of drawing
-# it again: 1/16 of x's bytes kept per group's input (0.98 GB over Llama-3.2-3B's 28 layers at 16,384 tokens;
-# gapless.meter.memory counts it) against the backward's Philox draws, 0.146 of its 0.703 ms per layer on the H100
-# (bench/dropout_probe.py, run s22). Off until bench/dropout_probe.py's `stored` is measured on a GPU; compiled for
-# sm_90 on the CPU the stored backward's loop converts 3 layouts a tile against 4 and has no Philox multiply
-# (bench/kernel_ir.py)
-STORE_MASK = False
 # the backward's grid: ceil(in / BWD_BLOCK_K) column blocks x enough splits of N for about this many programs (~4
 # per SM on 132 SMs); each split writes an [R, in] float32 partial of dA, ~0.6 MB per split for R = 48, in = 3072
 BACKWARD_PROGRAMS = 512
@@ -78,12 +69,7 @@ BACKWARD_PROGRAMS = 512
 
 class FusedDropout(nn.Dropout):
     """An nn.Dropout that asks LoRA's A matmul to draw its mask inside the fused kernels (lora_dropout_a) where they
-    run; anywhere else (the CPU, no triton, QLoRA's layers) it is nn.Dropout itself. store_mask: whether the fused
-    forward keeps its mask for the backward (None: STORE_MASK; a benchmark's A/B sets it per run)."""
-
-    def __init__(self, p: float = 0.5, store_mask: bool | None = None):
-        super().__init__(p)
-        self.store_mask = STORE_MASK if store_mask is None else store_mask
+    run; anywhere else (the CPU, no triton, QLoRA's layers) it is nn.Dropout itself."""
 
 
 def fused_dropout_applies(x: Tensor, dropout: object) -> bool:
@@ -106,14 +92,13 @@ def draw_seed(device: torch.device) -> Tensor:
     return torch.randint(SEED_HIGH, (1,), device=device, dtype=torch.int64)
 
 
-def lora_dropout_a(x: Tensor, lora_as: list[Tensor], dropout: FusedDropout) -> Tensor:
+def lora_dropout_a(x: Tensor, lora_as: list[Tensor], p: float) -> Tensor:
     """dropout(x) [A_1; ..; A_k]^T [..., sum r] in x's dtype, fused (module docstring), under a new seed: the
     group's A matrices stacked in their own dtype (the float32 masters, cast in the kernel), so their gradients come
-    back from float32 sums in that dtype; dropout's p, and its store_mask for how the backward gets the mask."""
+    back from float32 sums in that dtype."""
     a = lora_as[0] if len(lora_as) == 1 else torch.cat(list(lora_as))  # [R, in]
     seed = draw_seed(x.device)
-    xa, _ = torch.ops.gapless.lora_dropout_xa(x.reshape(-1, x.shape[-1]), a, seed, dropout.p, dropout.store_mask)
-    return xa.view(*x.shape[:-1], -1)
+    return torch.ops.gapless.lora_dropout_xa(x.reshape(-1, x.shape[-1]), a, seed, p).view(*x.shape[:-1], -1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,48 +130,43 @@ if FUSED_DROPOUT:
     from gapless.kernels import lora_dropout_triton as kernels
 
     @triton_op("gapless::lora_dropout_xa", mutates_args=())
-    def lora_dropout_xa(x: Tensor, a: Tensor, seed: Tensor, p: float,
-                        store_mask: bool = False) -> tuple[Tensor, Tensor]:
-        """(xa [N, R] = (keep * x / (1 - p)) A^T, the mask packed) for x [N, in], A [R, in], the mask drawn from seed
-        [1] (int64); the packed mask [N, ceil(in / 8)] uint8 (bit j of byte (n, g): column 8 g + j) with store_mask,
-        else an empty tensor."""
+    def lora_dropout_xa(x: Tensor, a: Tensor, seed: Tensor, p: float) -> Tensor:
+        """xa [N, R] = (keep * x / (1 - p)) A^T for x [N, in], A [R, in], the mask drawn from seed [1] (int64)."""
         x = x.contiguous()
         a = a.contiguous()
         (n, k), r = x.shape, a.shape[0]
         splits, per_split = _forward_splits(k, FWD_BLOCK_K, FWD_SPLIT_K)
         out = x.new_empty(n, r) if splits == 1 else x.new_empty(splits, n, r, dtype=torch.float32)
-        bits = x.new_empty(n, _cdiv(k, 8), dtype=torch.uint8) if store_mask else x.new_empty(0, dtype=torch.uint8)
         wrap_triton(kernels.dropout_xa_kernel)[(_cdiv(n, FWD_BLOCK_M), splits)](
-            x, a, out, seed, bits, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M,
+            x, a, out, seed, n, k, r, per_split, keep_threshold(p), 1.0 / (1.0 - p), BLOCK_M=FWD_BLOCK_M,
             BLOCK_K=FWD_BLOCK_K, BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS,
-            STORE_MASK=store_mask, num_warps=FWD_WARPS)
-        return (out if splits == 1 else out.sum(0).to(x.dtype)), bits
+            num_warps=FWD_WARPS)
+        return out if splits == 1 else out.sum(0).to(x.dtype)
 
     @triton_op("gapless::lora_dropout_xa_backward", mutates_args=())
-    def lora_dropout_xa_backward(dxa: Tensor, x: Tensor, a: Tensor, seed: Tensor, bits: Tensor, p: float,
-                                 need_dx: bool, stored: bool) -> tuple[Tensor, Tensor]:
+    def lora_dropout_xa_backward(dxa: Tensor, x: Tensor, a: Tensor, seed: Tensor, p: float,
+                                 need_dx: bool) -> tuple[Tensor, Tensor]:
         """(dx_lora [N, in] in x's dtype, or an empty tensor without need_dx; dA [R, in] in A's dtype) for
-        lora_dropout_xa: the mask read from `bits` where `stored` (the forward's store_mask), else drawn again from
-        the same seed."""
+        lora_dropout_xa, the mask drawn again from the same seed."""
         dxa, x, a = dxa.contiguous(), x.contiguous(), a.contiguous()
         (n, k), r = x.shape, a.shape[0]
         splits, rows_per_split = _backward_splits(n, k, BWD_BLOCK_M, BWD_BLOCK_K, BACKWARD_PROGRAMS)
         dx = torch.empty_like(x) if need_dx else x.new_empty(0)
         partials = x.new_empty(splits, r, k, dtype=torch.float32)  # [S, R, in]
         wrap_triton(kernels.dropout_xa_backward_kernel)[(_cdiv(k, BWD_BLOCK_K), splits)](
-            x, a, dxa, dx, partials, seed, bits, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
+            x, a, dxa, dx, partials, seed, n, k, r, rows_per_split, keep_threshold(p), 1.0 / (1.0 - p),
             BLOCK_M=BWD_BLOCK_M, BLOCK_K=BWD_BLOCK_K, BLOCK_R=_block_r(r), NEED_DX=need_dx,
-            IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS, STORED_MASK=stored, num_warps=BWD_WARPS)
+            IEEE=x.dtype == torch.float32, N_ROUNDS=kernels.PHILOX_ROUNDS, num_warps=BWD_WARPS)
         return dx, partials.sum(0).to(a.dtype)
 
     def _setup_context(ctx, inputs, output):
-        x, a, seed, p, store_mask = inputs
-        ctx.save_for_backward(x, a, seed, output[1])
-        ctx.p, ctx.stored = p, store_mask
+        x, a, seed, p = inputs
+        ctx.save_for_backward(x, a, seed)
+        ctx.p = p
 
-    def _backward(ctx, dxa, _):
-        x, a, seed, bits = ctx.saved_tensors
-        dx, da = lora_dropout_xa_backward(dxa, x, a, seed, bits, ctx.p, ctx.needs_input_grad[0], ctx.stored)
-        return (dx if ctx.needs_input_grad[0] else None, da if ctx.needs_input_grad[1] else None, None, None, None)
+    def _backward(ctx, dxa):
+        x, a, seed = ctx.saved_tensors
+        dx, da = lora_dropout_xa_backward(dxa, x, a, seed, ctx.p, ctx.needs_input_grad[0])
+        return (dx if ctx.needs_input_grad[0] else None, da if ctx.needs_input_grad[1] else None, None, None)
 
     lora_dropout_xa.register_autograd(_backward, setup_context=_setup_context)

@@ -3,8 +3,7 @@ registers, forward and backward. Imported only where triton imports (gapless.ker
 and how the mask is drawn: keep_block is that rule, written once for both kernels).
 
 Shapes: x [N, K] and dx [N, K] row-major in the compute dtype, A [R, K] in any float dtype (cast to x's dtype in
-registers, as F.linear(x, A.to(x.dtype)) would), xa and dxa [N, R] row-major, dA partials [S, R, K] float32, the
-packed mask (STORE_MASK / STORED_MASK) [N, ceil(K / 8)] uint8, bit j of byte (n, g) the keep of column 8 g + j.
+registers, as F.linear(x, A.to(x.dtype)) would), xa and dxa [N, R] row-major, dA partials [S, R, K] float32.
 BLOCK_K must be a multiple of 8 (one Philox draw covers 8 consecutive columns of a row) and BLOCK_R a power of two
 >= 16 (tl.dot's smallest tile), rows R..BLOCK_R masked to zero.
 """
@@ -21,21 +20,14 @@ KEEP_BITS = 16
 
 
 @triton.jit
-def philox_words(seed, rows, k0, words_per_row, BLOCK_K: tl.constexpr, N_ROUNDS: tl.constexpr):
-    """The four 32-bit Philox-4x32 words [BLOCK_M, BLOCK_K / 8] (uint32) behind columns k0 .. k0 + BLOCK_K - 1 (k0 a
-    multiple of 8) of rows `rows` [BLOCK_M] (int64): key = seed, counter = n * ceil(K / 8) + k // 8."""
-    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    counter = rows[:, None] * words_per_row + words[None, :]  # [BLOCK_M, BLOCK_K / 8], int64
-    return tl.randint4x(seed, counter, N_ROUNDS)
-
-
-@triton.jit
 def keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                N_ROUNDS: tl.constexpr):
     """The keep mask [BLOCK_M, BLOCK_K] of rows `rows` [BLOCK_M] (int64) and columns k0 .. k0 + BLOCK_K - 1 (k0 a
     multiple of 8): element (n, k) is kept iff bits >= threshold, where bits is 16-bit half k % 2 (low half first)
     of 32-bit word (k % 8) // 2 of Philox-4x32(key = seed, counter = n * ceil(K / 8) + k // 8)."""
-    r0, r1, r2, r3 = philox_words(seed, rows, k0, words_per_row, BLOCK_K, N_ROUNDS)  # each [BLOCK_M, BLOCK_K / 8]
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    counter = rows[:, None] * words_per_row + words[None, :]  # [BLOCK_M, BLOCK_K / 8], int64
+    r0, r1, r2, r3 = tl.randint4x(seed, counter, N_ROUNDS)  # each [BLOCK_M, BLOCK_K / 8] uint32
     # join(join(r0, r2), join(r1, r3)) [BLOCK_M, BLOCK_K / 8, 2, 2]: element [.., i, j] is word 2 i + j, so the last
     # two dims flatten to r0 r1 r2 r3; then each word's halves, low first. Joins, not a tl.where per word: the same
     # mask bit for bit, 0.39 against 1.20 ms for the masks of one Llama-3.2-3B layer alone on the H100
@@ -46,35 +38,12 @@ def keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def packed_keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_K: tl.constexpr, N_ROUNDS: tl.constexpr):
-    """keep_block's mask packed 8 columns to a byte, [BLOCK_M, BLOCK_K / 8] int32 (bit j: column 8 g + j): built
-    from the Philox words in their own layout, no joins (the compiler shares the draws with keep_block's)."""
-    r0, r1, r2, r3 = philox_words(seed, rows, k0, words_per_row, BLOCK_K, N_ROUNDS)
-    return (((r0 & 0xFFFF) >= threshold).to(tl.int32) | (((r0 >> 16) >= threshold).to(tl.int32) << 1)
-            | (((r1 & 0xFFFF) >= threshold).to(tl.int32) << 2) | (((r1 >> 16) >= threshold).to(tl.int32) << 3)
-            | (((r2 & 0xFFFF) >= threshold).to(tl.int32) << 4) | (((r2 >> 16) >= threshold).to(tl.int32) << 5)
-            | (((r3 & 0xFFFF) >= threshold).to(tl.int32) << 6) | (((r3 >> 16) >= threshold).to(tl.int32) << 7))
-
-
-@triton.jit
-def stored_keep_block(bits_ptr, rows, k0, N, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The keep mask [BLOCK_M, BLOCK_K] read back from the packed mask [N, ceil(K / 8)] a forward with STORE_MASK
-    wrote (rows past N read as dropped, as their x reads as 0)."""
-    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(bits_ptr + rows[:, None] * tl.cdiv(K, 8) + words[None, :],
-                     mask=(rows[:, None] < N) & (words[None, :] < tl.cdiv(K, 8)), other=0)  # [BLOCK_M, BLOCK_K / 8]
-    j = tl.arange(0, 8)[None, None, :]
-    return tl.reshape(((packed[:, :, None] >> j) & 1) != 0, (BLOCK_M, BLOCK_K))
-
-
-@triton.jit
-def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, bits_ptr, N, K, R, k_per_split, threshold, scale,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                      N_ROUNDS: tl.constexpr, STORE_MASK: tl.constexpr):
+def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, N, K, R, k_per_split, threshold, scale, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr):
     """xa [N, R] = (keep * x / (1 - p)) A^T for one block of BLOCK_M rows (program_id(0)) over columns split
     program_id(1) (k_per_split columns, a multiple of BLOCK_K): x is read once, the mask never leaves registers, and
     1 / (1 - p) (`scale`) is applied to the float32 sum. Split s writes out[s] of out [splits, N, R] (one split: out
-    is xa itself, in its dtype). With STORE_MASK the mask is also written, packed, to bits_ptr."""
+    is xa itself, in its dtype)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     split = tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)
@@ -87,11 +56,6 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, bits_ptr, N, K, R, k_per_
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                     other=0.0)
         keep = keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_M, BLOCK_K, N_ROUNDS)
-        if STORE_MASK:
-            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            tl.store(bits_ptr + rows[:, None] * words_per_row + words[None, :],
-                     packed_keep_block(seed, rows, k0, words_per_row, threshold, BLOCK_K, N_ROUNDS).to(tl.uint8),
-                     mask=(rows[:, None] < N) & (words[None, :] < words_per_row))
         x = tl.where(keep, x, tl.zeros_like(x))
         a = tl.load(a_ptr + rs[None, :] * K + cols[:, None], mask=(rs[None, :] < R) & (cols[:, None] < K),
                     other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_R], A^T
@@ -105,14 +69,13 @@ def dropout_xa_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, bits_ptr, N, K, R, k_per_
 
 
 @triton.jit
-def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, bits_ptr, N, K, R, rows_per_split,
-                               threshold, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                               NEED_DX: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr,
-                               STORED_MASK: tl.constexpr):
+def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, N, K, R, rows_per_split, threshold,
+                               scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                               NEED_DX: tl.constexpr, IEEE: tl.constexpr, N_ROUNDS: tl.constexpr):
     """For columns block program_id(0) and rows split program_id(1) (rows_per_split rows, a multiple of BLOCK_M):
     the split's partial dA [R, BLOCK_K] = dxa^T (keep * x) / (1 - p) into da_ptr[split] (float32), and, with
-    NEED_DX, dx = keep * (dxa A) / (1 - p) for the same rows and columns. One mask serves both: x is read and the
-    mask drawn (or, with STORED_MASK, read from bits_ptr) once for the whole backward."""
+    NEED_DX, dx = keep * (dxa A) / (1 - p) for the same rows and columns. One mask draw serves both: x and the mask
+    are read and drawn once for the whole backward."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)
@@ -127,11 +90,8 @@ def dropout_xa_backward_kernel(x_ptr, a_ptr, dxa_ptr, dx_ptr, da_ptr, seed_ptr, 
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ok = (rows[:, None] < N) & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=ok, other=0.0)
-        if STORED_MASK:
-            keep = stored_keep_block(bits_ptr, rows, tl.program_id(0) * BLOCK_K, N, K, BLOCK_M, BLOCK_K)
-        else:
-            keep = keep_block(seed, rows, tl.program_id(0) * BLOCK_K, words_per_row, threshold, BLOCK_M, BLOCK_K,
-                              N_ROUNDS)
+        keep = keep_block(seed, rows, tl.program_id(0) * BLOCK_K, words_per_row, threshold, BLOCK_M, BLOCK_K,
+                          N_ROUNDS)
         dxa = tl.load(dxa_ptr + rows[:, None] * R + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < R),
                       other=0.0)  # [BLOCK_M, BLOCK_R]
         x = tl.where(keep, x, tl.zeros_like(x))

@@ -45,8 +45,7 @@ layer, /tmp script over bench/saved_bytes.py's hook) dropout added exactly three
 predicts as 54.19 (-4.6%), where the prediction without the masks was 46.75 (-17.7%). Where LoRA dropout runs
 fused (method lora on a CUDA device with triton: gapless.kernels.lora_dropout draws the mask in its kernels from an
 8-byte seed, forward and backward, and saves only x, which the A gradient keeps anyway) no mask is kept and none is
-counted (lora_dropout_fused); QLoRA's layers keep the torch path and their masks. Where the fused kernels keep
-the mask they drew (gapless.kernels.lora_dropout.STORE_MASK), 1 bit per element of each group's mask is counted.
+counted (lora_dropout_fused); QLoRA's layers keep the torch path and their masks.
 """
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gapless.config import ALL_LINEAR
-from gapless.kernels import lora_dropout as lora_dropout_module
 from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE
 from gapless.model.decoder import ModelArgs
 
@@ -126,8 +124,7 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
     dtype for the layer running and one for the layer prefetched (FSDP2's default prefetch of one). Activations and
     the loss are per micro-batch: `tokens` is this GPU's micro-batch (the global batch / GPUs), not sharded.
     lora_dropout, lora_kernel: the masks LoRA dropout keeps (dropout_mask_bytes); none for method full, and none for
-    method lora when lora_dropout_fused (the fused kernels keep a seed, not a mask: module docstring), or their
-    masks packed 8 to a byte where lora_dropout.STORE_MASK has the forward keep them for the backward.
+    method lora when lora_dropout_fused (the fused kernels keep a seed, not a mask: module docstring).
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {list(METHODS)}")
@@ -167,8 +164,6 @@ def estimate_memory(args: ModelArgs, method: str, *, tokens: int, dtype: str = "
         layer *= EAGER_ACTIVATION_FACTOR
     keeps_masks = lora_dropout > 0 and (method == "qlora" or method == "lora" and not lora_dropout_fused)
     masks = dropout_mask_bytes(args, lora_targets, lora_kernel) if keeps_masks else 0
-    if lora_dropout > 0 and method == "lora" and lora_dropout_fused and lora_dropout_module.STORE_MASK:
-        masks = -(-dropout_mask_bytes(args, lora_targets, lora_kernel) // 8)  # the same masks, packed
     layer += masks
     checkpointed = len(range(0, L, activation_checkpointing)) if activation_checkpointing else 0
     act_per_token = (L - checkpointed) * layer + checkpointed * D * e + (layer if checkpointed else 0)
