@@ -359,3 +359,36 @@ def test_decoder_layers_trace_as_one_graph(tmp_path, kernel, dropout):
     traced = model(ids).square().mean()
     traced.backward()
     assert torch.equal(traced, eager) and torch.equal(grad(), eager_grad)
+def test_merged_export_of_a_bf16_qlora_run_quantises_what_the_run_quantised(tmp_path):
+    """A bfloat16 QLoRA run from a float32 checkpoint quantised its bf16-rounded weights: `gapless export --merge`
+    (which loads in float32) merges into those NF4 codes, the model the run trained, not into the float32 weights'
+    codes, a few of which differ."""
+    import io
+
+    from gapless import demo_task
+    from gapless.config import load_config
+    from gapless.demo import write_base_model
+    from gapless.model.lora import merge_lora
+    from gapless.model.method import method_of
+    from gapless.train.export import export
+    from gapless.train.loop import train
+
+    model_dir = write_base_model(tmp_path / "base", seed=0)
+    assert gapless.load_model(model_dir).model.embed_tokens.weight.dtype == torch.float32
+    data = demo_task.write_jsonl(demo_task.make_examples(40, seed=1), tmp_path / "train.jsonl")
+    raw = {"model": {"path": str(model_dir), "dtype": "bfloat16", "device": "cpu", "compile": False},
+           "data": {"sources": [{"path": str(data), "format": "messages"}], "max_seq_len": 64,
+                    "tokens_per_batch": 128, "cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+           "method": "qlora", "lora": {"r": 4, "alpha": 8}, "optim": {"lr": 1e-2}, "checkpoint": {"every": 2},
+           "train": {"steps": 2, "log_every": 1}, "output_dir": str(tmp_path / "run"), "progress": False}
+    cfg = load_config(data=raw)
+    run = train(cfg, out=io.StringIO())
+    trained, _ = method_of(cfg).load_final(run.final_dir, model_dir, torch.float32, "cpu")
+    want = merge_lora(trained).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for source in (run.run_dir, run.run_dir / "checkpoints" / "step-00000002"):  # the adapter; the checkpoint
+        merged = export(source, tmp_path / f"merged-{source.name}", merge=True, dtype="float32")
+        assert_close(gapless.load_model(merged).state_dict()[name], want[name], atol=1e-6, rtol=0)
+    # without the rounding: the float32 weights' own NF4 codes, which differ
+    plain, _ = method_of(cfg).load_final(run.final_dir, model_dir, torch.float32, "cpu", unquantised_base=True)
+    assert (merge_lora(to_qlora(plain, torch.float32)).state_dict()[name] - want[name]).abs().max() > 1e-6
