@@ -176,7 +176,8 @@ def test_auto_checkpoint_interval_is_agreed_by_every_rank(runs):
             saved.append(step)
         every = next((r["every"] for r in chosen if r["step"] == step), every)
     steps = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*"))
-    assert saved[0] == 10 and steps == saved[-2:] == checkpoint_steps(read_run(out)), (saved, steps)
+    # the report marks every save made; the folder keeps the 2 newest (the two differ when step 10's widened to 11)
+    assert saved[0] == 10 and steps == saved[-2:] and checkpoint_steps(read_run(out)) == saved, (saved, steps)
     for step in steps:
         manifest = json.loads((out / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
         assert manifest["writer"] == "dcp" and manifest["world_size"] == 2
