@@ -125,9 +125,12 @@ class Qlora(Lora):
     def __init__(self, cfg: LoraConfig, compute_dtype: torch.dtype):
         super().__init__(cfg)
         self.compute_dtype = compute_dtype
+        # the dtype the run holds its weights in, which it quantises from; stays when a merge dequantises to another
+        # compute_dtype (gapless.train.export)
+        self.quantise_from = compute_dtype
 
     def transform(self, model: nn.Module) -> nn.Module:
-        model = to_qlora(super().transform(model), self.compute_dtype)
+        model = to_qlora(super().transform(model), self.compute_dtype, self.quantise_from)
         # the base weights of the NF4 layers are consumed (quantised) by the hook as they are loaded
         self.load_hook = qlora_load_hook(model)
         return model
@@ -149,7 +152,7 @@ class Qlora(Lora):
         model = build(base_model)
         cfg = read_adapter_config(final, model)
         model = apply_qlora(model, cfg, dtype)
-        model = load_weights(model, dtype, device, hook=qlora_load_hook(model, self.compute_dtype))
+        model = load_weights(model, dtype, device, hook=qlora_load_hook(model, self.quantise_from))
         model = load_adapter_weights(self.initialise(model, torch.device(device)), final, cfg)
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "a tensor was not loaded"
         return model.eval(), f"adapter {final} on {base_model} as NF4, as the run trained it ({dtype_name} compute)"

@@ -82,9 +82,10 @@ nf4_linear.register_autograd(_nf4_linear_backward, setup_context=_nf4_linear_set
 class QLoraLinear(LoraLinear):
     """A LoraLinear whose frozen base weight is NF4 buffers; built from a LoraLinear (its LoRA modules kept)."""
 
-    def __init__(self, lora: LoraLinear, compute_dtype: torch.dtype):
-        # not LoraLinear.__init__: it would register the bf16 base weight this layer exists to drop; the LoRA
-        # modules, dropout, scaling and kernel are taken over from `lora` as they are
+    def __init__(self, lora: LoraLinear, compute_dtype: torch.dtype,
+                 quantise_from: torch.dtype | None = None):
+        # quantise_from: to_qlora's. Not LoraLinear.__init__: it would register the bf16 base weight this layer exists
+        # to drop; the LoRA modules, dropout, scaling and kernel are taken over from `lora` as they are
         nn.Module.__init__(self)
         self.in_features, self.out_features = lora.in_features, lora.out_features
         self.register_parameter("bias", lora.bias)
@@ -105,7 +106,7 @@ class QLoraLinear(LoraLinear):
         self.register_buffer("nf4_code", torch.empty(16, device=device), persistent=False)
         self.register_buffer("nf4_scale_code", torch.empty(256, device=device), persistent=False)
         if not lora.weight.is_meta:
-            self.quantize_(lora.weight)
+            self.quantize_(lora.weight if quantise_from is None else lora.weight.to(quantise_from))
 
     @torch.no_grad()
     def quantize_(self, weight: Tensor) -> None:
@@ -164,21 +165,23 @@ def apply_qlora(model: nn.Module, cfg: LoraConfig, compute_dtype: torch.dtype, *
     return to_qlora(apply_lora(model, cfg, adapter_dtype=adapter_dtype), compute_dtype)
 
 
-def to_qlora(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+def to_qlora(model: nn.Module, compute_dtype: torch.dtype, quantise_from: torch.dtype | None = None) -> nn.Module:
     """Every LoraLinear of `model` swapped for a QLoraLinear. On a model built on the meta device the NF4 buffers stay
     meta until `qlora_load_hook` quantises the checkpoint's weights into them; on a loaded model each weight is
-    quantised now, layer by layer (its bf16 copy freed as the layer is swapped)."""
+    quantised now, layer by layer (its bf16 copy freed as the layer is swapped). `quantise_from`: each weight is
+    rounded to it before quantising, as the hook's, so that a model loaded in another dtype than its run's (float32,
+    to merge a bfloat16 run) holds the NF4 codes the run trained on (None: as loaded)."""
     for name, layer in _lora_layers(model).items():
-        _set_submodule(model, name, QLoraLinear(layer, compute_dtype))
+        _set_submodule(model, name, QLoraLinear(layer, compute_dtype, quantise_from))
     return model
 
 
-def qlora_load_hook(model: nn.Module, dtype: torch.dtype | None = None) -> Callable[[str, Tensor], bool]:
+def qlora_load_hook(model: nn.Module, quantise_from: torch.dtype | None = None) -> Callable[[str, Tensor], bool]:
     """hook(key, tensor) for streaming a checkpoint into a QLoRA model (gapless.model.loading.load_weights, which
     hands each tensor over already on the target device): a QLoRA layer's base weight is quantised where it is into
-    the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False). `dtype`: the weight
-    is rounded to it before quantising, so that a model loaded in another dtype than its run's (float32 to evaluate
-    a bfloat16 run on the CPU) holds the NF4 codes the run trained on (None: as handed over).
+    the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False). `quantise_from`:
+    the weight is rounded to it before quantising, so that a model loaded in another dtype than its run's (float32
+    to evaluate a bfloat16 run on the CPU) holds the NF4 codes the run trained on (None: as handed over).
 
     Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, nothing beyond the memory-mapped shards (the
     reading threads put each tensor on the GPU: loading.checkpoint_tensors); GPU, the model as it fills (5.3 GiB at
@@ -192,7 +195,7 @@ def qlora_load_hook(model: nn.Module, dtype: torch.dtype | None = None) -> Calla
         layer = layers.get(key)
         if layer is None:
             return False
-        layer.quantize_(tensor if dtype is None else tensor.to(dtype))
+        layer.quantize_(tensor if quantise_from is None else tensor.to(quantise_from))
         return True
 
     return hook

@@ -42,16 +42,6 @@ def _resolve(source: Path) -> tuple[Path | None, Path | None, Path]:
                      "with either (or a full run's model/); give a run folder, its adapter/ or checkpoints/step-N")
 
 
-def round_quantised_weights(model: torch.nn.Module, targets: list[str], dtype: torch.dtype) -> None:
-    """The weights QLoRA quantises (the targeted projections' base weights) rounded to `dtype`, kept in the dtype
-    loaded. A QLoRA run quantises them as its model.dtype holds them; a float32 checkpoint loaded in float32 to merge
-    would give a few other NF4 codes than the run trained on (a bfloat16 checkpoint rounds to itself)."""
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in targets and isinstance(getattr(module, "weight", None), torch.Tensor):
-                module.weight.copy_(module.weight.to(dtype))
-
-
 def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: str | None = None) -> Path:
     source, out = Path(source), Path(out)
     adapter_dir, checkpoint, run_dir = _resolve(source)
@@ -81,14 +71,12 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
         model, lora_cfg = load_adapter(model, adapter_dir)
         if cfg is not None and cfg.method == "qlora":
             # trained on the NF4 base: merged into its dequantised weights, in the dtype loaded (float32 to merge),
-            # quantised from the values the run quantised
-            round_quantised_weights(model, lora_cfg.target_modules, resolve_dtype(cfg.model.dtype, model.config_dict))
-            to_qlora(model, model.model.embed_tokens.weight.dtype)
+            # quantised from the values the run quantised (its model.dtype's)
+            to_qlora(model, model.model.embed_tokens.weight.dtype, resolve_dtype(cfg.model.dtype, model.config_dict))
     else:
         tensors, _ = load(checkpoint)
         method = method_of(cfg)
         if isinstance(method, Qlora):  # dequantise to the dtype loaded (float32 to merge), not the run's
-            round_quantised_weights(model, cfg.lora.target_modules, method.compute_dtype)
             method.compute_dtype = model.model.embed_tokens.weight.dtype
         model = method.transform(model)
         method.load_checkpoint_state(model, tensors["model"], str(checkpoint))
