@@ -74,10 +74,10 @@ def test_a_binary_config_file_is_named(tmp_path):
 def test_max_seq_len_above_the_models_positions_warns():
     cfg = config("data.max_seq_len=8192", "data.tokens_per_batch=8192")
     with pytest.warns(UserWarning, match="data.max_seq_len: 8,192 is above the model's max_position_embeddings 4,096"):
-        cfg.check_model({"max_position_embeddings": 4096})
+        cfg.check_model(4096)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg.check_model({"max_position_embeddings": 8192})
+        cfg.check_model(8192)
 
 
 def test_max_seq_len_above_the_positions_of_a_dynamic_rope_model_is_refused():
@@ -87,7 +87,7 @@ def test_max_seq_len_above_the_positions_of_a_dynamic_rope_model_is_refused():
     with pytest.raises(ValueError, match=r"config\.data\.max_seq_len: 8,192 is above the model's "
                                          r"max_position_embeddings 4,096 .*rope_type 'dynamic'.*lower "
                                          r"data\.max_seq_len to 4,096"):
-        cfg.check_model({"max_position_embeddings": 4096, "rope_type": "dynamic"})
+        cfg.check_model(4096, "dynamic")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg.check_model({"max_position_embeddings": 8192, "rope_type": "dynamic"})
+        cfg.check_model(8192, "dynamic")

@@ -724,11 +724,10 @@ class RunConfig:
             raise ValueError(f"{where}.output_dir: {out} is not writable ({existing} is read-only for this user); "
                              "choose another output_dir")
 
-    def check_model(self, model_config: dict, where: str = "config") -> None:
+    def check_model(self, limit: int | None, rope_type: str = "default", where: str = "config") -> None:
         """The settings that need the model's config.json (called once it is read, before any data is tokenized):
-        its max_position_embeddings and the rope_type of its RoPE scaling."""
-        limit = model_config.get("max_position_embeddings")
-        if limit and self.data.max_seq_len > limit and model_config.get("rope_type") == "dynamic":
+        `limit`, its max_position_embeddings, and the rope_type of its RoPE scaling."""
+        if limit and self.data.max_seq_len > limit and rope_type == "dynamic":
             # transformers grows a dynamic NTK RoPE's base past this length; gapless runs the plain RoPE it equals
             # below it (gapless.model.decoder.rope_frequencies), so a longer row would not be the model's
             raise ValueError(f"{where}.data.max_seq_len: {self.data.max_seq_len:,} is above the model's "

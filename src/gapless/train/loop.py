@@ -265,8 +265,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     # the settings that need the model's config.json, before the model is built or any data is tokenized; its fields
     # as the model reads them (an image-text checkpoint, Gemma 3's, keeps them under text_config or leaves them out)
     model_args = read_model_args(cfg.model.path)
-    cfg.check_model({"max_position_embeddings": model_args.max_position_embeddings,
-                     "rope_type": model_args.rope_scaling.rope_type})
+    cfg.check_model(model_args.max_position_embeddings, model_args.rope_scaling.rope_type)
 
     # -- data, started first in one process: tokenizing (worker processes, or the token cache) runs beside the
     # model's loading and is waited for after it (the example 3B config cold on an H100: data 16.5 s, load 7.5 s, one
