@@ -1,7 +1,9 @@
 """Generation: the KV cache gives the logits of a full forward; greedy decoding is deterministic and equals
 decoding without the cache (base, adapter, sliding window); sampling follows its seed; the CLI prints tokens/s."""
 import io
+import itertools
 import json
+import shutil
 
 import pytest
 import torch
@@ -48,7 +50,7 @@ def test_cache_gives_the_full_forward_logits(trained):
 @pytest.mark.parametrize("what", ["base", "run"])
 def test_greedy_is_deterministic_and_equals_no_cache(trained, what):
     loaded = load_for_generation(trained[what], device="cpu")
-    stop = stop_ids(loaded.tokenizer, loaded.model)
+    stop = stop_ids(loaded)
     prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": "shift: hello"}])
     runs = [generate_ids(loaded.model, prompt, max_new_tokens=16, stop=stop) for _ in range(2)]
     plain = generate_ids(loaded.model, prompt, max_new_tokens=16, stop=stop, use_cache=False)
@@ -166,6 +168,47 @@ def test_a_qlora_run_generates_on_the_nf4_base_it_trained_on(trained, capsys):
         assert said in capsys.readouterr().err.splitlines()[0]
     with pytest.warns(UserWarning, match="--unquantised-base is ignored: .* is a lora run"):
         load_for_generation(trained["run"], device="cpu", unquantised_base=True)
+
+
+@pytest.mark.parametrize("what", ["base", "run"])
+def test_generation_config_eos_ids_stop_generation(trained, tmp_path, capsys, what):
+    """generation_config.json's eos_token_id list (Qwen2.5 instruct's [151645, 151643], where config.json and the
+    tokenizer name 151645 alone) stops generation at each of its ids: in a model folder, and in a run's adapter/
+    (which holds a copy of its tokenizer folder's)."""
+    source = tmp_path / what
+    shutil.copytree(trained[what], source)
+    loaded = load_for_generation(source, device="cpu")
+    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": "shift: hello"}])
+    free = generate_ids(loaded.model, prompt, max_new_tokens=8)
+    eos = loaded.tokenizer.eos_token_id  # </s>, config.json's eos_token_id too: the demo's one stop token
+    head = list(itertools.takewhile(lambda t: t != eos, free.tokens))
+    assert head, free.tokens  # its first token then stops generation earlier than eos did (here, or the cap of 8)
+    second = head[0]
+    (source / ("adapter" if what == "run" else "") / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": [eos, second]}))
+
+    assert main(["generate", str(source), "--prompt", "shift: hello", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert "; 1 new tokens, " in capsys.readouterr().err
+    loaded = load_for_generation(source, device="cpu")
+    assert loaded.generation_eos == sorted({eos, second}) and {eos, second} <= stop_ids(loaded)
+    gen = generate_ids(loaded.model, prompt, max_new_tokens=8, stop=stop_ids(loaded))
+    assert gen.tokens == [second] and gen.stopped == "end of turn"
+
+
+@pytest.mark.parametrize("text,said", [
+    ("{", "not valid JSON"),
+    ("[2]", "the top level must be a JSON object, got list"),
+    ('{"eos_token_id": "</s>"}', "eos_token_id: expected a token id or a list of token ids"),
+    ('{"eos_token_id": [2, 3.0]}', "eos_token_id: expected a token id or a list of token ids"),
+    ('{"eos_token_id": true}', "eos_token_id: expected a token id or a list of token ids")])
+def test_a_malformed_generation_config_is_named_before_the_model_loads(trained, tmp_path, capsys, text, said):
+    model = tmp_path / "model"
+    shutil.copytree(trained["base"], model)
+    (model / "generation_config.json").write_text(text)
+    assert main(["generate", str(model), "--prompt", "shift: hello", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"gapless generate: error: {model / 'generation_config.json'}: {said}" in err, err
+    assert "loaded" not in err
 
 
 @pytest.mark.gpu

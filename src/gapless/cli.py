@@ -478,7 +478,7 @@ def _load_generation(args):
     loaded = load_for_generation(args.source, device=args.device, dtype=args.dtype, base=args.base,
                                  unquantised_base=args.unquantised_base)
     print(f"loaded {loaded.what}", file=sys.stderr)
-    return loaded, stop_ids(loaded.tokenizer, loaded.model)
+    return loaded, stop_ids(loaded)
 
 
 def _reply(args, loaded, stop, messages: list[dict], raw: bool = False):

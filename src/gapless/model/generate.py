@@ -22,8 +22,9 @@ from torch import Tensor
 from gapless.model.decoder import softcap as softcap_fn
 
 # end-of-turn tokens of the common chat templates, stopped at when the tokenizer has them (Llama 3, ChatML/Qwen,
-# Gemma); the tokenizer's eos and config.json's eos_token_id are stop tokens as well
+# Gemma); the tokenizer's eos, config.json's and generation_config.json's eos_token_id(s) are stop tokens as well
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+GENERATION_CONFIG = "generation_config.json"
 
 
 class KVCache:
@@ -150,6 +151,7 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     what: str  # "base model FOLDER", "adapter ADAPTER on BASE", ...
+    generation_eos: list[int] = field(default_factory=list)  # the folders' generation_config.json eos_token_id(s)
 
 
 def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str | None = None,
@@ -218,6 +220,11 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
                                                                                    "tokenizer_config.json")):
         tokenizer_dir = adapter_dir if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file() \
             else base_dir
+    # generation_config.json's eos_token_id(s) (Qwen2.5 instruct's [151645, 151643], where config.json and the
+    # tokenizer name 151645 alone) in the model folder and in an adapter folder (a run's adapter/ and an exported one
+    # hold a copy of its tokenizer folder's); read before the weights, so that a malformed file is named at once
+    generation_eos = sorted({i for folder in (base_dir, adapter_dir) if folder is not None
+                             for i in read_generation_eos(folder)})
     device = str(resolve_device(device, "--device"))
     on_cuda = device.startswith("cuda")
     # a run's own dtype on CUDA, so that generation and evaluation compute as the run did; float32 on the CPU
@@ -232,15 +239,37 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         if adapter_dir is not None:
             model, _ = load_adapter(model, adapter_dir)
             what = f"adapter {adapter_dir} on {base_dir}"
-    return Loaded(model.eval(), AutoTokenizer.from_pretrained(str(tokenizer_dir)), what)
+    return Loaded(model.eval(), AutoTokenizer.from_pretrained(str(tokenizer_dir)), what, generation_eos)
 
 
-def stop_ids(tokenizer, model) -> set[int]:
-    """The tokens that end a turn: the tokenizer's eos, config.json's eos_token_id(s), the known end-of-turn marks."""
-    ids = set()
+def read_generation_eos(folder: str | Path) -> list[int]:
+    """The eos_token_id(s) of `folder`'s generation_config.json (null, an id or a list of ids there); none without
+    the file. Invalid JSON or another value is a ValueError naming the file and the field."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return []
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id: expected a token id or a list of token ids (e.g. [128001, 128009]), "
+                         f"got {eos!r}")
+    return ids
+
+
+def stop_ids(loaded: Loaded) -> set[int]:
+    """The tokens that end a turn: the tokenizer's eos, config.json's and generation_config.json's eos_token_id(s),
+    the known end-of-turn marks."""
+    tokenizer = loaded.tokenizer
+    ids = set(loaded.generation_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    eos = model.args.eos_token_id
+    eos = loaded.model.args.eos_token_id
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     vocab = tokenizer.get_vocab()
     ids.update(vocab[t] for t in END_OF_TURN if t in vocab)

@@ -67,7 +67,7 @@ def loss_on(run_dir: Path, cfg, model, paths: list[str], device) -> dict:
 def exact_match(loaded, problems: list[tuple[str, str]], max_new_tokens: int, source: str) -> dict:
     from gapless.model.generate import decode, encode_chat, generate_ids, stop_ids
 
-    stop = stop_ids(loaded.tokenizer, loaded.model)
+    stop = stop_ids(loaded)
     correct = missing = tokens = 0
     seconds = 0.0
     samples = []
