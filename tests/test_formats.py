@@ -414,6 +414,8 @@ def test_oasst_trees_give_their_threads(tmp_path):
         ("Skipped", "trees.jsonl:2 thread 1"), ("Skipped", "trees.jsonl:3"), ("RecordError", "trees.jsonl:4")]
     assert [e.messages for e in got if isinstance(e, Example)] == [chat("q", "a1"), chat("q", "a1", "more", "a3"),
                                                                    chat("q", "a2")]
+    # one group, held out together by data.eval_fraction: the threads share "q" and a1
+    assert {e.group for e in got if isinstance(e, Example)} == {"message_tree_id t1"}
     # "follow again" unanswered: cut to a1, thread 1 again, which would train a1 twice
     assert got[2].reason == "duplicate_thread" and "thread 1" in str(got[2])
     assert got[4].reason == got[5].reason == "no_assistant_turn"

@@ -311,7 +311,7 @@ def test_worker_processes_give_the_same_arrays(shared, tmp_path, monkeypatch):
     a, b = one.datasets[0], two.datasets[0]
     assert len(a) == len(b) == 500
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask) and np.array_equal(a.offsets, b.offsets)
-    assert np.array_equal(a.records, b.records)
+    assert np.array_equal(a.records, b.records) and np.array_equal(a.groups, b.groups)
 
 
 @pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice on this OS")
@@ -341,6 +341,61 @@ def test_eval_split_by_record_and_eval_sources(demo_tokenizer, tmp_path):
     train, evalm, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}],
                                         eval_sources=[{"path": str(other)}]))
     assert (len(train), len(evalm), s.eval_docs) == (100, 3, 3)
+
+
+def held_out_by_record(ds, fraction: float, seed: int) -> np.ndarray:
+    """The documents the eval split held out before records could be grouped (split_eval as it was, verbatim)."""
+    records = ds.records[ds.docs]
+    unique = np.unique(records)
+    rng = np.random.default_rng([seed, len(unique), 0xE7A1])
+    held = rng.choice(unique, size=int(round(fraction * len(unique))), replace=False)
+    return ds.docs[np.isin(records, held)]
+
+
+def test_records_without_a_group_are_split_as_before(demo_tokenizer, tmp_path):
+    """Records no reader groups (every format but oasst's trees and Self-Instruct's instances) are held out exactly as
+    by record: the same documents, with records that give several documents (overlong: split) or none (skipped)."""
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * (5 + 13 * (i % 7))} if i % 11 else "{bad"
+                                               for i in range(90)])
+    chats = write_jsonl(tmp_path / "c.jsonl", [chat(f"q{i}", f"a{i}") for i in range(57)])
+    sources = [{"path": str(texts)}, {"path": str(chats)}]
+    settings = dict(max_seq_len=32, overlong="split", on_error="skip")
+    whole = build_data(config(tmp_path, demo_tokenizer, sources, **settings))[0]
+    assert max(np.bincount(whole.datasets[0].records)) > 1  # records of several documents
+    for seed, fraction in [(0, 0.2), (3, 0.37)]:
+        _, evalm, _ = build_data(config(tmp_path, demo_tokenizer, sources, eval_fraction=fraction, seed=seed,
+                                        **settings))
+        for ds, ev in zip(whole.datasets, evalm.datasets):
+            assert np.array_equal(ev.docs, held_out_by_record(ds, fraction, seed))
+
+
+def oasst_tree(i: int) -> dict:
+    """Tree i: 4 threads sharing its prompt, 2 of them also its first answer and the follow-up's turns before theirs."""
+    def m(role, text, *replies):
+        return {"message_id": f"{i}-{text}", "role": role, "text": text, "replies": list(replies)}
+    return {"message_tree_id": f"tree-{i}", "prompt": m(
+        "prompter", f"tree {i} asks", m("assistant", "a", m("prompter", "b", m("assistant", "c"), m("assistant", "d"))),
+        m("assistant", "e"), m("assistant", "f"))}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_eval_split_keeps_an_oasst_trees_threads_together(demo_tokenizer, tmp_path, monkeypatch, workers):
+    """The threads of one OpenAssistant tree share its prompt and earlier turns: held out by record, a tree's threads
+    fell on both sides and the eval loss was measured on turns the model trained on. A tree is held out whole, and
+    eval_fraction counts trees. Chunks of 3 records cut trees in two, over workers too."""
+    monkeypatch.setattr(tokenize, "CHUNK", 3)
+    path = write_jsonl(tmp_path / "trees.jsonl", [oasst_tree(i) for i in range(20)])
+    tok = load_tokenizer(demo_tokenizer)
+
+    def trees(ds) -> set[str]:
+        return {tok.decode(ds[i][0].tolist()).split("<|user|>")[1].split(" asks")[0] for i in range(len(ds))}
+
+    cfg = config(tmp_path, demo_tokenizer, [{"path": str(path)}], eval_fraction=0.3, num_workers=workers)
+    train, evalm, s = build_data(cfg)
+    tr, ev = train.datasets[0], evalm.datasets[0]
+    assert not trees(tr) & trees(ev)
+    assert (len(trees(tr)), len(trees(ev)), len(tr), len(ev), s.eval_docs) == (14, 6, 56, 24, 24)
+    assert np.array_equal(build_data(cfg)[1].datasets[0].docs, ev.docs)  # seeded
 
 
 def test_drop_system_message_changes_the_tokens_and_the_cache_key(demo_tokenizer, tmp_path):

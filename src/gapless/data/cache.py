@@ -5,6 +5,8 @@ A folder holds the documents of one source, concatenated:
   mask.bin     uint8  [num_tokens]   1 where the token is trained (an assistant token, its end-of-turn included)
   offsets.npy  int64  [num_docs + 1] document d is tokens offsets[d]:offsets[d+1]
   records.npy  int32  [num_docs]     the index of the input record each document came from
+  groups.npy   int32  [num_docs]     the group of that record, which the eval split holds out whole: the index of
+                                     the group's first record (an OpenAssistant tree's first thread), else its own
   meta.json           the key's inputs, the tokenizer's pad id, the reading/tokenizing counts
 The arrays are memory-mapped on open, so a run holds no copy of the data in RAM. A folder is
 written under a temporary name and renamed into place, so a crashed run never leaves a half cache.
@@ -26,18 +28,20 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the meaning of the cached arrays changes (masking rules, layout): old folders stop matching.
-CACHE_VERSION = 4  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
+CACHE_VERSION = 5  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
 # conversational prompt-completion and per-file format detection read records that were skipped as errors before;
 # 4: chat-template masking (sessions 13-14): turns a template rewrites are located or skipped, JSON-string tool-call
-# arguments parsed, null content beside calls, named template sets, Qwen3's earlier turns trained
+# arguments parsed, null content beside calls, named template sets, Qwen3's earlier turns trained; 5: groups.npy (the
+# threads of an OpenAssistant tree, held out together; a version-4 folder of oasst data would split them apart)
 
 
 class TokenizedDataset:
     """Documents of (token ids, loss mask), memory-mapped; optionally a subset of a cache folder's documents."""
 
     def __init__(self, ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, records: np.ndarray,
-                 meta: dict, docs: np.ndarray | None = None):
+                 meta: dict, docs: np.ndarray | None = None, groups: np.ndarray | None = None):
         self.ids, self.mask, self.offsets, self.records, self.meta = ids, mask, offsets, records, meta
+        self.groups = records if groups is None else groups  # None: each record a group of its own
         self.docs = np.arange(len(offsets) - 1) if docs is None else docs
         self.lengths = (offsets[self.docs + 1] - offsets[self.docs]).astype(np.int64)
 
@@ -50,7 +54,7 @@ class TokenizedDataset:
         # np.memmap refuses empty files; an all-dropped source has no tokens
         ids = np.memmap(folder / "ids.bin", np.int32, "r") if n else np.zeros(0, np.int32)
         mask = np.memmap(folder / "mask.bin", np.uint8, "r") if n else np.zeros(0, np.uint8)
-        return cls(ids, mask, offsets, np.load(folder / "records.npy"), meta)
+        return cls(ids, mask, offsets, np.load(folder / "records.npy"), meta, groups=np.load(folder / "groups.npy"))
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -72,7 +76,8 @@ class TokenizedDataset:
         return int(self.records[self.docs[i]])
 
     def subset(self, indices: np.ndarray) -> TokenizedDataset:
-        return TokenizedDataset(self.ids, self.mask, self.offsets, self.records, self.meta, self.docs[indices])
+        return TokenizedDataset(self.ids, self.mask, self.offsets, self.records, self.meta, self.docs[indices],
+                                self.groups)
 
 
 class CacheWriter:
@@ -86,14 +91,16 @@ class CacheWriter:
         self._mask = open(self.tmp / "mask.bin", "wb")
         self._lengths: list[np.ndarray] = []
         self._records: list[np.ndarray] = []
+        self._groups: list[np.ndarray] = []
 
-    def add(self, ids: list[np.ndarray], mask: list[np.ndarray], records: np.ndarray) -> None:
-        """A run of documents: each one's token ids and mask, and the index of its record."""
+    def add(self, ids: list[np.ndarray], mask: list[np.ndarray], records: np.ndarray, groups: np.ndarray) -> None:
+        """A run of documents: each one's token ids and mask, the index of its record and its record's group."""
         for doc_ids, doc_mask in zip(ids, mask):
             self._ids.write(np.ascontiguousarray(doc_ids, np.int32).tobytes())
             self._mask.write(np.ascontiguousarray(doc_mask, np.uint8).tobytes())
         self._lengths.append(np.asarray([len(x) for x in ids], np.int64))
         self._records.append(np.asarray(records, np.int32))
+        self._groups.append(np.asarray(groups, np.int32))
 
     def commit(self, meta: dict) -> TokenizedDataset:
         self._ids.close()
@@ -101,6 +108,7 @@ class CacheWriter:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         np.save(self.tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         np.save(self.tmp / "records.npy", np.concatenate(self._records) if self._records else np.zeros(0, np.int32))
+        np.save(self.tmp / "groups.npy", np.concatenate(self._groups) if self._groups else np.zeros(0, np.int32))
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(self.tmp, self.final)

@@ -12,11 +12,11 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
-                     their prefixes), prompter -> user. A message with `deleted: true` or `review_result: false` is
-                     left out with its replies; a thread ends at its last assistant turn, and one with none (an
-                     unanswered prompt) is dropped and counted as no_assistant_turn, under either on_error; so is
-                     a thread that, so cut, repeats another of its tree (an answer's several unanswered follow-ups),
-                     as duplicate_thread
+                     their prefixes, so data.eval_fraction holds a tree's threads out together, Example.group),
+                     prompter -> user. A message with `deleted: true` or `review_result: false` is left out with its
+                     replies; a thread ends at its last assistant turn, and one with none (an unanswered prompt) is
+                     dropped and counted as no_assistant_turn, under either on_error; so is a thread that, so cut,
+                     repeats another of its tree (an answer's several unanswered follow-ups), as duplicate_thread
   oasst_top1         the same trees, one thread each: at every step the reply of lowest `rank` (0 = the best; unranked
                      replies after ranked ones, in order), as OpenAssistant's oasst_top1 datasets. Auto detection
                      gives oasst (all threads); set format: oasst_top1 for the top-ranked path only
@@ -97,6 +97,9 @@ class Example:
     messages: list[dict] | None = None  # [{"role", "content", ...}], roles in user/assistant/system/tool
     tools: list | None = None  # tool definitions (JSON schema dicts) for the chat template
     text: str | None = None  # plain text (format text)
+    # records of one group are held out together by data.eval_fraction (pipeline.split_eval): the threads of an
+    # OpenAssistant tree, which share its prompt and earlier turns. None: a record of its own. Unique within a source
+    group: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +416,10 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
             raise RecordError(where, "prompt", MISSING_FIELD if root is None else BAD_VALUE,
                               f"expected the tree's first message, an object, got {type(root).__name__}; "
                               f"the record has {sorted(row)}")
-        return _oasst_threads(root, where, top1=fmt == "oasst_top1")
+        tree = row.get("message_tree_id")
+        # by the tree's id: a tree in two rows of the source is one group too; without an id, its row
+        group = f"message_tree_id {tree}" if isinstance(tree, str) else where
+        return _oasst_threads(root, where, group, top1=fmt == "oasst_top1")
     name = columns.get("instances", "instances")
     output = columns.get("output", "output")
     if fmt == "alpaca" and row.get(output) is None and row.get("response") is None and name in row:
@@ -453,9 +459,10 @@ def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, s
 OASST_ROLES = {"prompter": "user", "assistant": "assistant"}
 
 
-def _oasst_threads(root: dict, where: str, top1: bool) -> list[Example | RecordError]:
+def _oasst_threads(root: dict, where: str, group: str, top1: bool) -> list[Example | RecordError]:
     """An OpenAssistant message tree's root-to-leaf threads (the module docstring says which), depth first in the
-    order of the replies. A malformed message rejects the tree (raised, located by its path from `prompt`)."""
+    order of the replies, each of `group`. A malformed message rejects the tree (raised, located by its path from
+    `prompt`)."""
 
     def kept(message: Any, field: str) -> bool:
         if not isinstance(message, dict):
@@ -506,7 +513,7 @@ def _oasst_threads(root: dict, where: str, top1: bool) -> list[Example | RecordE
                                "assistant turn (unanswered follow-ups)"))
             continue
         seen[key] = at
-        out.append(Example(at, messages=[dict(m) for m in cut]))  # each thread its own turns
+        out.append(Example(at, messages=[dict(m) for m in cut], group=group))  # each thread its own turns
     return out
 
 

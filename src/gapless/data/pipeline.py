@@ -35,6 +35,7 @@ def tokenize_source(src: SourceConfig, files: list[Path], tokenizing: Tokenizing
     counts: Counter = Counter()
     first_errors: list[str] = []
     base = tokens = target_tokens = 0
+    first: dict[str, int] = {}  # a group key (Example.group) -> its first record, whose index names the group
     for chunk in tokenizing.map(chunked(read_source(src, files))):
         for e in chunk.errors:
             if on_error == "raise":
@@ -43,7 +44,10 @@ def tokenize_source(src: SourceConfig, files: list[Path], tokenizing: Tokenizing
             if len(first_errors) < 5:
                 first_errors.append(str(e))
         counts.update(chunk.counts)
-        writer.add(chunk.ids, chunk.mask, base + np.asarray(chunk.records, np.int64))
+        records = base + np.asarray(chunk.records, np.int64)
+        leads = {r: first.setdefault(key, base + r) for r, key in chunk.groups.items()}  # a tree may span chunks
+        groups = np.asarray([leads.get(r, base + r) for r in chunk.records], np.int64)
+        writer.add(chunk.ids, chunk.mask, records, groups)
         base += chunk.num_records
         tokens += sum(len(x) for x in chunk.ids)
         target_tokens += sum(int(m[1:].sum()) for m in chunk.mask)  # a document's first token is never a target
@@ -113,13 +117,19 @@ def _library_versions() -> dict:
 
 
 def split_eval(data: SourceData, fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """A seeded `fraction` of the source's records (all documents of a record go the same way)."""
+    """(train, eval): a seeded `fraction` of the source's groups held out, each group with all its documents.
+
+    A group is a record, or the records a reader groups (Example.group: an OpenAssistant tree's threads, which share
+    its prompt and earlier turns and would otherwise train on what the eval loss measures). The fraction counts
+    groups, not records or documents: 0.3 of oasst_en100's 100 trees holds out 30, 154 to 178 of its 564 threads
+    (27-32%) over seeds 0-4.
+    A source without groups has groups == records, so its split is the one made by record before groups existed."""
     ds = data.dataset
-    records = ds.records[ds.docs]
-    unique = np.unique(records)
+    groups = ds.groups[ds.docs]
+    unique = np.unique(groups)
     rng = np.random.default_rng([seed, len(unique), 0xE7A1])
     held = rng.choice(unique, size=int(round(fraction * len(unique))), replace=False)
-    is_eval = np.isin(records, held)
+    is_eval = np.isin(groups, held)
     return ds.subset(np.flatnonzero(~is_eval)), ds.subset(np.flatnonzero(is_eval))
 
 

@@ -108,6 +108,7 @@ class Chunk:
     # kept, truncated, split, dropped:<reason>, tools_not_rendered, tool_calls_as_text, system_not_rendered
     counts: Counter = field(default_factory=Counter)
     errors: list[RecordError] = field(default_factory=list)  # bad records, in order
+    groups: dict[int, str] = field(default_factory=dict)  # a record's index in the chunk -> its Example.group, if any
 
     def add(self, ids: np.ndarray, mask: np.ndarray, record: int) -> None:
         self.ids.append(ids)
@@ -371,8 +372,11 @@ class Encoder:
     def encode_chunk(self, items: list[Example | RecordError]) -> Chunk:
         errors: list[tuple[int, RecordError]] = []
         counts: Counter = Counter()
+        groups: dict[int, str] = {}
         chats, texts = [], []
         for r, item in enumerate(items):
+            if isinstance(item, Example) and item.group is not None:
+                groups[r] = item.group
             if isinstance(item, Skipped):  # left out by the format itself: counted, never raised
                 counts[f"dropped:{item.reason}"] += 1
             elif isinstance(item, RecordError):
@@ -384,7 +388,7 @@ class Encoder:
                     chats.append((r, item, *self.chat_text(item, counts)))
                 except RecordError as e:
                     errors.append((r, e))
-        out = Chunk(len(items), counts=counts)
+        out = Chunk(len(items), counts=counts, groups=groups)
         try:
             docs = self._tokenize_chats(chats) + self._tokenize_texts(texts)
         except Exception:  # the Rust tokenizer refused some text, for the whole batch: find which record
