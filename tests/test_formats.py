@@ -476,6 +476,8 @@ def test_self_instruct_instances_are_one_example_each(tmp_path):
     assert isinstance(got[2], RecordError) and "instances[2].output: missing" in str(got[2])
     assert isinstance(got[3], RecordError) and "instances[3]: expected an object" in str(got[3])
     assert got[4].reason == "empty_conversation" and "instances: no instances" in str(got[4])
+    # one group, held out together by data.eval_fraction: the instances share "Fix it."
+    assert got[0].group == got[1].group == got[0].where.rsplit(" instance", 1)[0]
     # mapped, as any other column
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"instruction": "Fix it.",
                                                       "tasks": [{"input": "", "output": "ok"}]}))

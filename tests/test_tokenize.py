@@ -398,6 +398,21 @@ def test_eval_split_keeps_an_oasst_trees_threads_together(demo_tokenizer, tmp_pa
     assert np.array_equal(build_data(cfg)[1].datasets[0].docs, ev.docs)  # seeded
 
 
+def test_eval_split_keeps_a_self_instruct_rows_instances_together(demo_tokenizer, tmp_path):
+    """A Self-Instruct row's instances share its instruction (trained under train_on: all): a task is held out whole."""
+    rows = [{"instruction": f"task {i} says", "instances": [{"input": "", "output": f"out {k}"} for k in range(3)]}
+            for i in range(20)]
+    path = write_jsonl(tmp_path / "si.jsonl", rows)
+    tok = load_tokenizer(demo_tokenizer)
+
+    def tasks(ds) -> set[str]:
+        return {tok.decode(ds[i][0].tolist()).split("<|user|>")[1].split(" says")[0] for i in range(len(ds))}
+
+    train, evalm, _ = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], eval_fraction=0.3))
+    tr, ev = train.datasets[0], evalm.datasets[0]
+    assert not tasks(tr) & tasks(ev) and (len(tasks(ev)), len(ev)) == (6, 18)
+
+
 def test_drop_system_message_changes_the_tokens_and_the_cache_key(demo_tokenizer, tmp_path):
     """A source's drop_system_message removes the system turn from what is tokenized, and is part of the cache key: the
     tokenization cached without it is not reused with it (nor the other way round)."""

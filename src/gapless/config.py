@@ -519,7 +519,7 @@ class DataConfig:
     # held-out data: either separate sources or a seeded fraction of every source's records
     eval_sources: list[SourceConfig] = field(default_factory=list)
     # the seeded fraction of every source's records held out (0 = none); an OpenAssistant tree's threads, which share
-    # their prefix, are held out together, and the fraction counts trees
+    # their prefix, are held out together, and the fraction counts trees (so do a Self-Instruct row's instances)
     eval_fraction: float = 0.0
     tokenizer: str | None = field(default=None, metadata=PATH)  # an HF tokenizer folder; defaults to the model folder
     # inline Jinja, a path to a .jinja file or a name (chatml, llama3, qwen_25, gemma, gemma3, mistral_v1); defaults

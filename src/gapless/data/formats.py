@@ -7,7 +7,7 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      {"from", "value"})
   alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?};
                      Self-Instruct's rows, with "instances": [{"input", "output"}, ...] and no "output", give one
-                     example per instance (where: `file:N instance K`)
+                     example per instance (where: `file:N instance K`; data.eval_fraction holds a row's out together)
   prompt_completion  {"prompt", "completion", "system"?}
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
@@ -98,7 +98,8 @@ class Example:
     tools: list | None = None  # tool definitions (JSON schema dicts) for the chat template
     text: str | None = None  # plain text (format text)
     # records of one group are held out together by data.eval_fraction (pipeline.split_eval): the threads of an
-    # OpenAssistant tree, which share its prompt and earlier turns. None: a record of its own. Unique within a source
+    # OpenAssistant tree, which share its prompt and earlier turns, and the instances of a Self-Instruct row, which
+    # share its instruction. None: a record of its own. Unique within a source
     group: str | None = None
 
 
@@ -429,7 +430,8 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
 
 def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, str],
                where: str) -> list[Example | RecordError]:
-    """Self-Instruct's {"instruction", "instances": [{"input", "output"}, ...]}: each instance an alpaca example."""
+    """Self-Instruct's {"instruction", "instances": [{"input", "output"}, ...]}: each instance an alpaca example, all
+    of the row's group (Example.group)."""
     instances = row[name]
     if not isinstance(instances, list):
         raise RecordError(where, "instances", BAD_VALUE, f"expected a list of {{input, output}} objects, got "
@@ -448,8 +450,10 @@ def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, s
             if instance.get(keys[1]) is None:
                 raise RecordError(at, f"instances[{k}].{keys[1]}", MISSING_FIELD,
                                   f"missing; the instance has {sorted(instance)}")
-            out.append(to_example({**rest, **{key: instance[key] for key in keys if key in instance}}, "alpaca",
-                                  columns, roles, at))
+            example = to_example({**rest, **{key: instance[key] for key in keys if key in instance}}, "alpaca",
+                                 columns, roles, at)
+            example.group = where  # the row's instances share its instruction: held out together, as a task
+            out.append(example)
         except RecordError as e:
             out.append(e)
     return out
