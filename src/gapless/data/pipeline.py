@@ -121,9 +121,8 @@ def split_eval(data: SourceData, fraction: float, seed: int) -> tuple[TokenizedD
 
     A group is a record, or the records a reader groups (Example.group: an OpenAssistant tree's threads, which share
     its prompt and earlier turns and would otherwise train on what the eval loss measures; a Self-Instruct row's
-    instances, which share its instruction). The fraction counts
-    groups, not records or documents: 0.3 of oasst_en100's 100 trees holds out 30, 154 to 178 of its 564 threads
-    (27-32%) over seeds 0-4.
+    instances, which share its instruction). The fraction counts groups, not records or documents: 0.3 of
+    oasst_en100's 100 trees holds out 30, 154 to 178 of its 564 threads (27-32%) over seeds 0-4.
     A source without groups has groups == records, so its split is the one made by record before groups existed."""
     ds = data.dataset
     groups = ds.groups[ds.docs]
