@@ -181,7 +181,7 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
 
     # the special tokens: the decoder's, else the top level's (Gemma 3's image-text configs keep eos_token_id [1, 106],
     # <eos> and <end_of_turn>, there and none in text_config)
-    tokens = {k: top.get(k) if config.get(k) is None else config[k]
+    tokens = {k: _token_ids(f if config.get(k) is not None else _Fields(top, where), k)
               for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     biases = set(fam.bias)
     if fam.attention_bias_on and f.flag("attention_bias", False):
@@ -213,6 +213,18 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         if fam.final_softcap else None,
         **tokens,
     )
+
+
+def _token_ids(f: _Fields, name: str) -> int | list[int] | None:
+    """A special token's id: null, an integer (a negative pad_token_id, as old LLaMA conversions wrote, reads as no
+    pad), or for eos_token_id a list of them (Llama 3.1's [128001, 128008, 128009]). Anything else, a string id say,
+    would match no token and silently never stop generation: an error naming the field."""
+    value = f.config.get(name)
+    ids = value if isinstance(value, list) and name == "eos_token_id" else [value]
+    if value is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise f.error(name, f"expected a token id{' or a list of them' if name == 'eos_token_id' else ''}, "
+                            f"got {value!r}")
+    return value
 
 
 def _check_architectures(names: Any, where: str, fam: Family, tied: bool) -> None:
