@@ -560,3 +560,39 @@ def test_a_missing_data_file_is_not_a_hub_id():
     check_run_paths(cfg)  # no error here: reading the data says the file is not found
     assert check_local("data/train.jsonl", "data.sources[0].path", "data files") is None
     assert check_local("HuggingFaceH4/ultrachat_200k", "data.sources[0].path", "data files")
+
+
+@pytest.mark.parametrize("hub", [False, True])
+def test_trl_dataset_folder_of_splits_trains_on_its_train_split(files, tmp_path, hub):
+    """TRL's dataset_name a folder with train.jsonl beside test.jsonl (or a Hub dataset's data/ shards): TRL trains on
+    dataset_train_split and evaluates on dataset_test_split; gapless took the folder whole, test split included."""
+    raw = yaml.safe_load(TRL.format(**{**files, "chat": files["trl_chat"]}, out="x"))
+    folder = tmp_path / "ds"
+    data = folder / "data" if hub else folder
+    data.mkdir(parents=True)
+    chat = Path(files["trl_chat"]).read_text()
+    names = (["train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl", "test-00000-of-00001.jsonl"] if hub else
+             ["train.jsonl", "test.jsonl", "validation.jsonl"])
+    for name in names:
+        (data / name).write_text(chat)
+    train = str(data / ("train-0000*-of-00002.jsonl" if hub else "train.jsonl"))
+    test = str(data / ("test-00000-of-00001.jsonl" if hub else "test.jsonl"))
+    conv = convert({**raw, "dataset_name": str(folder)})
+    cfg = from_dict(RunConfig, conv.config)
+    assert cfg.data.sources[0].path == train and cfg.data.eval_sources == []
+    assert "the 'test' split is not read: TRL evaluates nothing with eval_strategy no" in conv.format()
+    conv = convert({**raw, "dataset_name": str(folder), "eval_strategy": "steps", "eval_steps": 2})
+    cfg = from_dict(RunConfig, conv.config)
+    assert cfg.data.sources[0].path == train and [s.path for s in cfg.data.eval_sources] == [test]
+    assert cfg.train.eval_every == 2
+    if not hub:
+        conv = convert({**raw, "dataset_name": str(folder), "dataset_train_split": "validation",
+                        "dataset_test_split": "train", "eval_strategy": "epoch"})
+        cfg = from_dict(RunConfig, conv.config)
+        assert (cfg.data.sources[0].path, cfg.data.eval_sources[0].path) == (str(data / "validation.jsonl"),
+                                                                              str(data / "train.jsonl"))
+    with pytest.raises(ValueError, match=r"dataset_train_split: dev: no 'dev' split in .*ds \(its files name the "
+                                         r"splits: train, (validation, )?test\)"):
+        convert({**raw, "dataset_name": str(folder), "dataset_train_split": "dev"})
+    with pytest.raises(ValueError, match=r"dataset_train_split: validation: gapless reads the whole file"):
+        convert({**raw, "dataset_train_split": "validation"})

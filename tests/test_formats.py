@@ -181,6 +181,30 @@ def test_paths_and_formats_that_cannot_be_read(tmp_path):
         examples(SourceConfig(path=str(tmp_path / "q.jsonl")))
 
 
+def test_a_folder_of_a_datasets_splits_is_not_read_whole(tmp_path):
+    """train.jsonl beside test.jsonl (a downloaded dataset): reading the folder trained on the held-out split too,
+    silently. It is an error that names the splits and the path to give; one split, or other names, read whole."""
+    row = '{"text": "a"}\n'
+    for name in ("train.jsonl", "test.jsonl", "validation-00000-of-00001.jsonl", "notes.jsonl"):
+        (tmp_path / name).write_text(row)
+    (tmp_path / "train_README.md").write_text("not data")
+    with pytest.raises(ValueError, match=r"holds the splits of a dataset \(train: train.jsonl; validation: "
+                                         r"validation-00000-of-00001.jsonl; test: test.jsonl\); point the path at the "
+                                         r"training files \(.*train.jsonl\) and give the others as "
+                                         r"data.eval_sources"):
+        resolve_files(str(tmp_path))
+    for name in ("test.jsonl", "validation-00000-of-00001.jsonl"):
+        (tmp_path / name).unlink()
+    assert [f.name for f in resolve_files(str(tmp_path))] == ["notes.jsonl", "train.jsonl"]  # one split: whole
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("# a dataset card")
+    (hub / "data" / "train-00000-of-00001.jsonl").write_text(row)
+    with pytest.raises(ValueError, match=r"folder has no .* files; its data/ folder \(a Hub dataset's layout\) has 1, "
+                                         r"e.g. train-00000-of-00001.jsonl"):
+        resolve_files(str(hub))
+
+
 def test_config_errors_name_the_field():
     def error(data: dict) -> str:
         with pytest.raises(ValueError) as e:

@@ -469,8 +469,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
 
 @dataclass
 class SourceConfig:
-    # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files or a folder written by
-    # datasets' save_to_disk; .jsonl/.json/.parquet/.csv/.arrow (.jsonl.gz, .json.gz); relative paths are from the cwd
+    # a file, a glob (`data/*.jsonl`, `**` allowed), a folder of data files (not of a dataset's splits, train.jsonl
+    # beside test.jsonl: give the training files) or a folder written by datasets' save_to_disk;
+    # .jsonl/.json/.parquet/.csv/.arrow (.jsonl.gz, .json.gz); relative paths are from the cwd
     path: str = field(metadata=PATH)
     # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys. OpenAssistant's
     # message trees: oasst = every root-to-leaf thread (what auto detects), oasst_top1 = one thread per tree, the

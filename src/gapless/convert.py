@@ -11,6 +11,7 @@ SFTConfig's and TrainingArguments' fields as `trl sft --config FILE.yaml` reads 
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -961,7 +962,7 @@ def convert_trl(raw: dict) -> Conversion:
     if dataset is None:
         c.refused.append("dataset_name: missing; give the local data file or folder")
     else:
-        source["path"] = str(dataset)
+        source["path"] = _trl_splits(c, str(dataset), eval_strategy)
     # TRL reads dataset_text_field of plain-text records only: conversations and prompt-completion records go
     # through the chat template or their own fields whatever it says (its default is "text", often written out)
     text_field = c.has("dataset_text_field")
@@ -971,11 +972,11 @@ def convert_trl(raw: dict) -> Conversion:
                                      "as one text field")
     elif text_field:
         source.update(format="text", columns={"text": c.get("dataset_text_field")})
+        for held in c.out.get("data", {}).get("eval_sources", []):  # the test split's records are read alike
+            held.update(format="text", columns={"text": c.get("dataset_text_field")})
     if source:
         _set(c.out, "data.sources", [source])
         c.conv.applied.append((f"dataset_name: {dataset}", f"data.sources[0]: {source}"))
-    if c.get("dataset_train_split") not in (None, "train"):
-        c.refuse("dataset_train_split", "gapless reads the whole file; split it into its own file")
     # the loss mask: TRL trains everything of a conversation unless assistant_only_loss, and only the completion of
     # prompt-completion data unless completion_only_loss is false (None = True there). gapless's train_on is one
     # setting for the run, so it follows the data's format, read from its first record.
@@ -1025,6 +1026,50 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
+
+
+def _trl_splits(c: _Converter, dataset: str, eval_strategy: str) -> str:
+    """The training data's path for dataset_name. A folder of a dataset's splits (train.jsonl beside test.jsonl, or
+    a Hub dataset's data/train-*.parquet, named as `datasets` names them: data.formats.folder_splits) gives
+    dataset_train_split's files (TRL's default "train"), and dataset_test_split's (its default "test") become
+    data.eval_sources where TRL would evaluate; anything else is the path as it is, read whole."""
+    from gapless.data.formats import folder_splits
+
+    folder = Path(dataset).expanduser()
+    splits: dict[str, list[Path]] = {}
+    for root in (folder, folder / "data"):
+        if not splits and root.is_dir():
+            splits = folder_splits(sorted(root.iterdir()))
+    train, test = c.get("dataset_train_split") or "train", c.get("dataset_test_split") or "test"
+    if not splits:
+        if train != "train":
+            c.refuse("dataset_train_split", "gapless reads the whole file; split it into its own file")
+        return dataset
+    if train not in splits:
+        c.refuse("dataset_train_split", f"no {train!r} split in {dataset} (its files name the splits: "
+                                        f"{', '.join(splits)})")
+        return dataset
+    path = _split_path(splits[train])
+    c.note("dataset_train_split", f"data.sources[0].path: {path}  (the {train!r} split of {dataset})")
+    if test in splits and eval_strategy == "no":
+        c.note("dataset_test_split", f"the {test!r} split is not read: TRL evaluates nothing with eval_strategy no")
+    elif eval_strategy != "no" and test in splits:
+        _set(c.out, "data.eval_sources", [{"path": _split_path(splits[test])}])
+        c.note("dataset_test_split", f"data.eval_sources[0].path: {_split_path(splits[test])}  (the {test!r} split)")
+    elif eval_strategy != "no":
+        c.refuse("dataset_test_split", f"no {test!r} split in {dataset} to evaluate on (its files name the splits: "
+                                       f"{', '.join(splits)})")
+    return path
+
+
+def _split_path(files: list[Path]) -> str:
+    """One source path for a split's files: the file, or a glob of their names' common beginning and end (the shards
+    train-00000-of-00002.parquet and train-00001-of-00002.parquet: train-0000*.parquet)."""
+    if len(files) == 1:
+        return str(files[0])
+    names = [f.name for f in files]
+    end = os.path.commonprefix([n[::-1] for n in names])[::-1]
+    return str(files[0].parent / (os.path.commonprefix(names) + "*" + end))
 
 
 # formats whose records TRL does not read through dataset_text_field

@@ -26,7 +26,8 @@ out of the loss (data.train_on: assistant, last_assistant), 1 is the default. Op
 assistant `function_call`, role `function`, top-level `functions`) reads as tool_calls, role tool and tools.
 Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
 (.jsonl.gz); globs;
-folders of such files; folders written by datasets' `save_to_disk`.
+folders of such files (not one that holds a dataset's splits, train.jsonl beside test.jsonl: an error that says to
+point at the training files); folders written by datasets' `save_to_disk`.
 
 A bad record is never dropped here: it comes out as a `RecordError` naming the file, the line
 (or row) and the field, and the caller raises it or counts it by `reason`, as the config says. What the format
@@ -137,8 +138,40 @@ def _expand(p: Path, given: str) -> list[Path]:
                          f"e.g. {p / (splits[0] if splits else 'train')}")
     files = sorted(f for f in p.iterdir() if f.is_file() and _kind(f) is not None)
     if not files:
-        raise ValueError(f"{given}: folder has no {'/'.join(sorted(SUFFIXES))} files")
+        inner = sorted(f.name for f in (p / "data").glob("*") if f.is_file() and _kind(f) is not None) \
+            if (p / "data").is_dir() else []
+        raise ValueError(f"{given}: folder has no {'/'.join(sorted(SUFFIXES))} files"
+                         + (f"; its data/ folder (a Hub dataset's layout) has {len(inner)}, e.g. {inner[0]}: point "
+                            f"the path at them" if inner else ""))
+    splits = folder_splits(files)
+    if len(splits) > 1:  # train.jsonl beside test.jsonl: reading the folder would train on the held-out split
+        held = "; ".join(f"{split}: {', '.join(f.name for f in found)}" for split, found in splits.items())
+        train = splits.get("train")
+        hint = (f"point the path at the training files ({p / train[0].name if len(train) == 1 else p / 'train*'})"
+                " and give the others as data.eval_sources" if train else
+                "point the path at the files to train on")
+        raise ValueError(f"{given}: folder holds the splits of a dataset ({held}); {hint}")
     return files
+
+
+# the split names `datasets` infers from file names (its data_files patterns: a keyword, then a separator, a digit or
+# the suffix), by split: train.jsonl, test-00000-of-00001.parquet, validation_v2.json
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+SPLIT_NAME = re.compile(r"^(" + "|".join(k for keys in SPLIT_KEYWORDS.values() for k in keys) + r")(?=[-_. 0-9])",
+                        re.IGNORECASE)
+
+
+def folder_splits(files: list[Path]) -> dict[str, list[Path]]:
+    """The data files of `files` named as a dataset's splits, by split (in the order "train", "validation", "test"),
+    each split's in file order; other files, and files named otherwise, are in no split."""
+    splits: dict[str, list[Path]] = {}
+    for f in files:
+        m = SPLIT_NAME.match(f.name)
+        if m and f.is_file() and _kind(f) is not None:
+            split = next(s for s, keys in SPLIT_KEYWORDS.items() if m[1].lower() in keys)
+            splits.setdefault(split, []).append(f)
+    return {split: splits[split] for split in SPLIT_KEYWORDS if split in splits}
 
 
 def _kind(file: Path) -> str | None:
