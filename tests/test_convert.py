@@ -596,3 +596,21 @@ def test_trl_dataset_folder_of_splits_trains_on_its_train_split(files, tmp_path,
         convert({**raw, "dataset_name": str(folder), "dataset_train_split": "dev"})
     with pytest.raises(ValueError, match=r"dataset_train_split: validation: gapless reads the whole file"):
         convert({**raw, "dataset_train_split": "validation"})
+
+
+def test_axolotl_dataset_folder_of_splits_reads_its_split(files, tmp_path):
+    """An Axolotl dataset whose path is a folder of a dataset's splits: its `split` (default train) picks the files;
+    the folder read whole would have trained on the test split too."""
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        (folder / name).write_text(Path(files["alpaca"]).read_text())
+    conv = convert({**raw, "datasets": [{"path": str(folder), "type": "alpaca"}]})
+    assert [s.path for s in from_dict(RunConfig, conv.config).data.sources] == [str(folder / "train.jsonl")]
+    assert "the 'train' split's files of" in conv.format()
+    conv = convert({**raw, "datasets": [{"path": str(folder), "type": "alpaca", "split": "test"}]})
+    assert from_dict(RunConfig, conv.config).data.sources[0].path == str(folder / "test.jsonl")
+    with pytest.raises(ValueError, match=r"split: validation: no 'validation' split in .*ds \(its files name the "
+                                         r"splits: train, test\)"):
+        convert({**raw, "datasets": [{"path": str(folder), "type": "alpaca", "split": "validation"}]})

@@ -762,7 +762,13 @@ def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str]
     for k in d:
         if k not in known:
             bad.append((k, "no gapless equivalent for this dataset key"))
-    if d.get("split") not in (None, "train"):
+    splits, split = _dataset_splits(src["path"]), d.get("split") or "train"
+    if split in splits:  # a folder of a dataset's splits (train.jsonl beside test.jsonl): that split's files
+        src["path"] = _split_path(splits[split])
+        notes.append(f"the {split!r} split's files of {d['path']}")
+    elif splits:
+        bad.append(("split", f"no {split!r} split in {d['path']} (its files name the splits: {', '.join(splits)})"))
+    elif split != "train":
         bad.append(("split", "gapless reads the whole file; split it into its own file"))
     if d.get("data_files"):
         bad.append(("data_files", "give the file itself as path"))
@@ -1033,13 +1039,7 @@ def _trl_splits(c: _Converter, dataset: str, eval_strategy: str) -> str:
     a Hub dataset's data/train-*.parquet, named as `datasets` names them: data.formats.folder_splits) gives
     dataset_train_split's files (TRL's default "train"), and dataset_test_split's (its default "test") become
     data.eval_sources where TRL would evaluate; anything else is the path as it is, read whole."""
-    from gapless.data.formats import folder_splits
-
-    folder = Path(dataset).expanduser()
-    splits: dict[str, list[Path]] = {}
-    for root in (folder, folder / "data"):
-        if not splits and root.is_dir():
-            splits = folder_splits(sorted(root.iterdir()))
+    splits = _dataset_splits(dataset)
     train, test = c.get("dataset_train_split") or "train", c.get("dataset_test_split") or "test"
     if not splits:
         if train != "train":
@@ -1060,6 +1060,18 @@ def _trl_splits(c: _Converter, dataset: str, eval_strategy: str) -> str:
         c.refuse("dataset_test_split", f"no {test!r} split in {dataset} to evaluate on (its files name the splits: "
                                        f"{', '.join(splits)})")
     return path
+
+
+def _dataset_splits(path: str) -> dict[str, list[Path]]:
+    """A folder's data files by the split their names give (data.formats.folder_splits), or its data/ folder's (a Hub
+    dataset's layout); {} for a file, a glob or a folder of other names."""
+    from gapless.data.formats import folder_splits
+
+    folder = Path(path).expanduser()
+    for root in (folder, folder / "data"):
+        if root.is_dir() and (splits := folder_splits(sorted(root.iterdir()))):
+            return splits
+    return {}
 
 
 def _split_path(files: list[Path]) -> str:
