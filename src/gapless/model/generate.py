@@ -248,13 +248,9 @@ def read_generation_eos(folder: str | Path) -> list[int]:
     path = Path(folder) / GENERATION_CONFIG
     if not path.is_file():
         return []
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
-    eos = config.get("eos_token_id")
+    from gapless.model.loading import read_json_object
+
+    eos = read_json_object(path).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id: expected a token id or a list of token ids (e.g. [128001, 128009]), "

@@ -65,6 +65,11 @@ def read_config(folder: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{path}: not found; an HF checkpoint folder needs config.json beside its "
                          "*.safetensors weights (copy it from the model's source)")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file whose top level is an object (config.json, generation_config.json); else a ValueError naming it."""
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
