@@ -171,3 +171,18 @@ def test_a_run_whose_config_yaml_was_broken_by_hand(tmp_path, capsys):
                  ["doctor", "--compare", str(run), str(run)]):
         code, err = error_of(capsys, *argv)
         assert code == 2 and f"{run / 'config.yaml'}: not valid YAML" in err and "line 2" in err, argv
+
+
+def test_python_dash_m_gapless_is_the_command():
+    """`python -m gapless` where the environment's scripts folder is not on PATH: the same command, its exit codes
+    included (it printed "No module named gapless.__main__")."""
+    import subprocess
+    import sys
+
+    from gapless import __version__
+
+    done = subprocess.run([sys.executable, "-m", "gapless", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and __version__ in done.stdout + done.stderr, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-m", "gapless", "train", "nope.yaml"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "nope.yaml" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
