@@ -23,6 +23,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from gapless.config import to_dict
+from gapless.data import batching, cache
 from gapless.model import lora
 from gapless.train import checkpoint, guard, step as step_module
 from gapless.train.loop import train
@@ -292,7 +293,7 @@ def test_resume_with_a_changed_rank_is_refused_before_anything_is_written(base, 
     assert result.final_dir is not None
 
 
-def test_resume_on_edited_data_is_refused(base, tmp_path):
+def test_resume_on_edited_data_is_refused(base, tmp_path, monkeypatch):
     """The same number of documents from edited files passed the sampler's checks and continued the batch order
     over other data; the mix's fingerprint (each source's cache key) now refuses it, and the original data resumes."""
     data = tmp_path / "train.jsonl"
@@ -306,6 +307,13 @@ def test_resume_on_edited_data_is_refused(base, tmp_path):
     with pytest.raises(ValueError, match="cannot resume: the training data differ from the checkpoint's"):
         train(config(base, tmp_path / "run", *args, "resume=true"))
     data.write_text(original)
+    # a gapless that tokenizes otherwise (a cache version bump) says so, not that the files were edited
+    monkeypatch.setattr(cache, "CACHE_VERSION", cache.CACHE_VERSION + 1)
+    monkeypatch.setattr(batching, "CACHE_VERSION", cache.CACHE_VERSION)
+    with pytest.raises(ValueError, match=rf"tokenized data as cache version {cache.CACHE_VERSION - 1}, this one as "
+                                         rf"{cache.CACHE_VERSION} .*resume with that gapless version"):
+        train(config(base, tmp_path / "run", *args, "resume=true"))
+    monkeypatch.undo()
     assert train(config(base, tmp_path / "run", *args, "resume=true")).final_dir is not None
 
 

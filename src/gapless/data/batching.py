@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gapless.config import DataConfig, SourceConfig
-from gapless.data.cache import TokenizedDataset
+from gapless.data.cache import CACHE_VERSION, TokenizedDataset
 
 IGNORE = -100  # targets that are not trained (cross_entropy's ignore_index)
 
@@ -399,7 +399,7 @@ class BatchSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "strategy": self.strategy,
                 "num_docs": len(self.mix), "max_seq_len": self.max_seq_len, "tokens_per_batch": self.tokens_per_batch,
-                "data": self.mix.fingerprint}
+                "data": self.mix.fingerprint, "cache_version": CACHE_VERSION}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
@@ -408,7 +408,13 @@ class BatchSampler:
                 raise ValueError(f"data: cannot resume: the saved sampler had {key}={state[key]!r}, this run has "
                                  f"{mine[key]!r}; the batch order would not continue where it stopped")
         if state.get("data", mine["data"]) != mine["data"]:  # (checkpoints written before it was kept: unchecked)
-            raise ValueError("data: cannot resume: the training data differ from the checkpoint's (a source's files "
-                             "were edited or replaced, or tokenized otherwise); resume with the data the run was "
-                             "trained on, or start a new run")
+            # the cache key holds the cache version: a gapless that reads or masks records otherwise (cache.py's
+            # CACHE_VERSION) changes every source's key; checkpoints without the field are version 4 or older
+            saved = state.get("cache_version", 4)
+            why = (f"the gapless that wrote it tokenized data as cache version {saved}, this one as {CACHE_VERSION} "
+                   f"(gapless/data/cache.py says what changed); resume with that gapless version" if saved !=
+                   CACHE_VERSION else "a source's files were edited or replaced, or tokenized otherwise; resume "
+                                      "with the data the run was trained on")
+            raise ValueError(f"data: cannot resume: the training data differ from the checkpoint's ({why}), or "
+                             "start a new run")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
