@@ -1,5 +1,8 @@
 """Batching: packing invariants, padded strategies, mixing, seeded order and exact resume; the whole
 shared mix packed at a 16,384-token budget."""
+import contextlib
+import hashlib
+import json
 from collections import Counter
 
 import numpy as np
@@ -132,6 +135,58 @@ def test_padded_strategies(strategy):
         assert s.efficiency(0) > padded.efficiency(0) + 0.15
 
 
+@pytest.mark.parametrize("strategy", ["padded", "length_grouped", "pad_to_max"])
+def test_rows_per_batch_caps_the_documents_of_every_batch(strategy):
+    """rows_per_batch 2 (a peer's per-device batch size, unpacked): 2 documents per batch, not as many as fit in
+    2,048 slots (pad_to_max: 2 rows, not 4), each document once per epoch, within tokens_per_batch slots."""
+    rng = np.random.default_rng(6)
+    mix = mixture(synthetic(rng.integers(1, 500, 300), 6), synthetic(rng.integers(1, 60, 200), 7))
+    s = BatchSampler(mix, strategy=strategy, max_seq_len=512, tokens_per_batch=2048, rows_per_batch=2, seed=3)
+    uncapped = BatchSampler(mix, strategy=strategy, max_seq_len=512, tokens_per_batch=2048, seed=3)
+    assert max(len(b) for b in uncapped.plan(0)) > 2  # the cap binds
+    for epoch in (0, 1):
+        plan = s.plan(epoch)
+        assert Counter(d for batch in plan for d in batch) == Counter(range(len(mix)))  # each document once
+        assert [len(b) for b in plan] == [2] * (len(mix) // 2)  # any 2 fit: every batch holds 2
+    seen, real, slots = Counter(), 0, 0
+    for batch in s.epoch_batches(0):
+        B, T = batch.input_ids.shape
+        assert B == 2 and B * T <= 2048
+        n = batch.attention_mask.sum(1)
+        for r in range(B):
+            seen[batch.input_ids[r, :int(n[r])].numpy().astype(np.int32).tobytes()] += 1
+        real, slots = real + batch.num_real_tokens, slots + batch.num_slots
+    assert seen == docs_of(mix) and s.efficiency(0) == pytest.approx(real / slots)
+
+
+def test_rows_per_batch_unset_keeps_the_plan():
+    """rows_per_batch None is the plan gapless made before the setting existed (digests of the plans of epochs 0
+    and 1 taken then), and a cap that never binds changes nothing either: a resumed run continues its order."""
+    rng = np.random.default_rng(6)
+    mix = mixture(synthetic(rng.integers(1, 500, 300), 6), synthetic(rng.integers(1, 60, 200), 7))
+    before = {"padded": "d04880088a993530", "length_grouped": "f98d85c8d020e46c", "pad_to_max": "e0829a340e7199e0",
+              "packed": "a6d23250d2287e93"}
+    for strategy, digest in before.items():
+        s = BatchSampler(mix, strategy=strategy, max_seq_len=512, tokens_per_batch=2048, seed=3)
+        plans = [s.plan(e) for e in (0, 1)]
+        assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == digest, strategy
+        if strategy != "packed":
+            with pytest.warns(UserWarning, match="pad_to_max batches hold 4") if strategy == "pad_to_max" else \
+                    contextlib.nullcontext():
+                roomy = BatchSampler(mix, strategy=strategy, max_seq_len=512, tokens_per_batch=2048,
+                                     rows_per_batch=len(mix), seed=3)
+            assert [roomy.plan(e) for e in (0, 1)] == plans, strategy
+
+
+def test_pad_to_max_rows_are_the_fewer_of_rows_per_batch_and_the_budget():
+    mix = mixture(synthetic([5, 7, 300, 40, 90, 12, 8]))
+    s = BatchSampler(mix, strategy="pad_to_max", max_seq_len=512, tokens_per_batch=2048, rows_per_batch=3)
+    assert [len(b) for b in s.plan(0)] == [3, 3, 1] and s.efficiency(0) == pytest.approx(462 / (7 * 512))
+    with pytest.warns(UserWarning, match="rows_per_batch 6 is more than the 4 rows of max_seq_len 512"):
+        s = BatchSampler(mix, strategy="pad_to_max", max_seq_len=512, tokens_per_batch=2048, rows_per_batch=6)
+    assert [len(b) for b in s.plan(0)] == [4, 3]
+
+
 def test_order_is_seeded_and_resume_yields_exactly_the_next_batch():
     rng = np.random.default_rng(5)
     mix = mixture(synthetic(rng.integers(1, 400, 300), 5))
@@ -155,6 +210,33 @@ def test_order_is_seeded_and_resume_yields_exactly_the_next_batch():
         assert torch.equal(next(iter(resumed)).input_ids, reference[stop]), stop
     with pytest.raises(ValueError, match="cannot resume: the saved sampler had seed=7"):
         sampler(seed=9).load_state_dict(state)
+
+
+def test_a_resume_with_another_rows_per_batch_is_refused():
+    """Another cap is another batch order: refused as another tokens_per_batch is. A checkpoint written before the
+    setting existed (no rows_per_batch in its state) was as many as fit, and resumes where that is still so."""
+    mix = mixture(synthetic(np.random.default_rng(5).integers(1, 400, 300), 5))
+
+    def sampler(rows):
+        return BatchSampler(mix, strategy="padded", max_seq_len=512, tokens_per_batch=2048, rows_per_batch=rows,
+                            seed=7)
+
+    s = sampler(2)
+    it = iter(s)
+    next(it), next(it)
+    state = s.state_dict()
+    assert state["rows_per_batch"] == 2
+    resumed = sampler(2)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed)).input_ids, next(it).input_ids)
+    for rows in (3, None):
+        with pytest.raises(ValueError, match=rf"cannot resume: the saved sampler had rows_per_batch=2, this run has "
+                                             rf"{rows}"):
+            sampler(rows).load_state_dict(state)
+    old = {k: v for k, v in sampler(None).state_dict().items() if k not in ("rows_per_batch", "data", "cache_version")}
+    sampler(None).load_state_dict({**old, "position": 3})
+    with pytest.raises(ValueError, match="the saved sampler had rows_per_batch=None, this run has 2"):
+        sampler(2).load_state_dict(old)
 
 
 def test_mixing_by_epochs_and_weights():
@@ -187,6 +269,10 @@ def test_batch_to_and_sampler_errors():
         BatchSampler(mix, strategy="packed", max_seq_len=256, tokens_per_batch=256)
     with pytest.warns(UserWarning, match="not a multiple of max_seq_len"):
         BatchSampler(mix, strategy="packed", max_seq_len=512, tokens_per_batch=1000)
+    with pytest.raises(ValueError, match="rows_per_batch 2: .* not with packed"):
+        BatchSampler(mix, strategy="packed", max_seq_len=512, tokens_per_batch=1024, rows_per_batch=2)
+    with pytest.raises(ValueError, match="rows_per_batch 0: .* at least 1"):
+        BatchSampler(mix, strategy="padded", max_seq_len=512, tokens_per_batch=1024, rows_per_batch=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ MISTAKES = [
     (["checkpoint.keep=0"], ["config.checkpoint.keep", ">= 1"]),
     (["data.max_seq_len=1"], ["config.data.max_seq_len", "at least 2"]),
     (["data.tokens_per_batch=100", "data.max_seq_len=4096"], ["config.data.tokens_per_batch", "max_seq_len"]),
+    (["data.rows_per_batch=2"], ["config.data.rows_per_batch", "config.data.batching packed", "batching: padded"]),
+    (["data.batching=padded", "data.rows_per_batch=0"], ["config.data.rows_per_batch", "at least 1"]),
     (["data.eval_fraction=-0.1"], ["config.data.eval_fraction", "[0, 1)"]),
     (["data.num_workers=-2"], ["config.data.num_workers", ">= 0"]),
     (["data.sources=[]"], ["config.data.sources", "at least one source"]),

@@ -535,9 +535,15 @@ class DataConfig:
     batching: Literal["packed", "padded", "length_grouped", "pad_to_max"] = "packed"
     pack_algorithm: Literal["best_fit", "first_fit"] = "best_fit"  # how documents are placed into packed rows
     # packed: tokens_per_batch // max_seq_len rows of max_seq_len slots each;
-    # padded strategies: as many documents as fit in tokens_per_batch slots after padding;
+    # padded strategies: as many documents as fit in tokens_per_batch slots after padding (at most rows_per_batch);
     # auto (gapless train on a GPU): the batch finder's choice, ~90% of free memory less 10% (train/batch_finder.py)
     tokens_per_batch: int | Literal["auto"] = 16384
+    # documents per batch at most (a padded row each), still within tokens_per_batch slots after padding, so memory
+    # stays bounded: a peer's per-device batch size (TRL's per_device_train_batch_size, Axolotl's micro_batch_size)
+    # unpacked. None: as many as fit. pad_to_max: min(rows_per_batch, tokens_per_batch // max_seq_len) rows;
+    # tokens_per_batch auto: at most rows_per_batch rows of max_seq_len. Not with packed: its rows of max_seq_len
+    # hold many documents each, and tokens_per_batch already counts them
+    rows_per_batch: int | None = None
     pad_to_multiple_of: int = 8  # padded rows' length is rounded up to this (tensor-core friendly shapes)
     # tokenized data, keyed by the files and settings that made it
     cache_dir: str = field(default="~/.cache/gapless/data", metadata=PATH)
@@ -554,6 +560,14 @@ class DataConfig:
         if self.tokens_per_batch != "auto" and self.tokens_per_batch < self.max_seq_len:
             raise ValueError(f"{where}.tokens_per_batch: {self.tokens_per_batch} is less than "
                              f"max_seq_len {self.max_seq_len}; raise it or lower max_seq_len")
+        if self.rows_per_batch is not None and self.rows_per_batch < 1:
+            raise ValueError(f"{where}.rows_per_batch: must be at least 1, got {self.rows_per_batch}; or unset it "
+                             "(as many documents as fit in tokens_per_batch)")
+        if self.rows_per_batch is not None and self.batching == "packed":
+            raise ValueError(f"{where}.rows_per_batch: {self.rows_per_batch} caps the documents of a padded batch; "
+                             f"{where}.batching packed fills tokens_per_batch // max_seq_len rows with many documents "
+                             f"each: unset rows_per_batch (for N packed rows: tokens_per_batch: N x max_seq_len) or "
+                             "use batching: padded")
         if self.pad_to_multiple_of < 1:
             raise ValueError(f"{where}.pad_to_multiple_of: must be at least 1, got {self.pad_to_multiple_of}")
         if not 0.0 <= self.eval_fraction < 1.0:

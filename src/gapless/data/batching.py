@@ -6,9 +6,11 @@ Strategies (data.batching), all giving the same Batch:
                   position_ids keep attention and the loss inside each document
   padded          dynamic padding: documents in shuffled order, each batch padded to its longest
                   document rounded up to pad_to_multiple_of, as many as fit in tokens_per_batch slots
+                  (at most rows_per_batch of them, where set: a peer's per-device batch size)
   length_grouped  the same, but documents of similar length are batched together (sorted inside
                   shuffled mega-batches of ~50 batches, then the batches shuffled)
-  pad_to_max      every document padded to max_seq_len, tokens_per_batch // max_seq_len per batch;
+  pad_to_max      every document padded to max_seq_len, tokens_per_batch // max_seq_len per batch
+                  (or rows_per_batch, where fewer);
                   kept on purpose: the gap report measures what padding costs
 Packing efficiency = real tokens / slots (B * T) over an epoch's batches.
 
@@ -252,22 +254,33 @@ class BatchSampler:
     """
 
     def __init__(self, mix: Mixture, *, strategy: str = "packed", max_seq_len: int, tokens_per_batch: int,
-                 pad_to_multiple_of: int = 8, pack_algorithm: str = "best_fit", seed: int = 0,
-                 pad_id: int | None = None, shuffle: bool = True):
+                 rows_per_batch: int | None = None, pad_to_multiple_of: int = 8, pack_algorithm: str = "best_fit",
+                 seed: int = 0, pad_id: int | None = None, shuffle: bool = True):
         if tokens_per_batch < max_seq_len:
             raise ValueError(f"tokens_per_batch {tokens_per_batch} is less than max_seq_len {max_seq_len}")
+        if rows_per_batch is not None and (strategy == "packed" or rows_per_batch < 1):
+            raise ValueError(f"rows_per_batch {rows_per_batch}: the most documents of a padded batch, at least 1; "
+                             "not with packed, whose rows hold many documents each (tokens_per_batch sets them)")
         longest = int(mix.lengths.max()) if len(mix) else 0
         if longest > max_seq_len:
             raise ValueError(f"a document has {longest} tokens, more than max_seq_len {max_seq_len}; "
                              "tokenize with the same data.max_seq_len")
         self.mix, self.strategy, self.max_seq_len = mix, strategy, max_seq_len
         self.tokens_per_batch, self.pad_to_multiple_of = tokens_per_batch, pad_to_multiple_of
+        self.rows_per_batch = rows_per_batch  # documents per batch at most (padded strategies); None: as many as fit
         self.pack_algorithm, self.seed, self.shuffle = pack_algorithm, seed, shuffle
         self.pad_id = mix.pad_id if pad_id is None else pad_id
-        self.rows_per_batch = tokens_per_batch // max_seq_len
-        if strategy in ("packed", "pad_to_max") and tokens_per_batch % max_seq_len:
+        # rows of max_seq_len slots per batch (packed, pad_to_max)
+        self.rows = tokens_per_batch // max_seq_len
+        if strategy in ("packed", "pad_to_max") and tokens_per_batch % max_seq_len and rows_per_batch is None:
             warnings.warn(f"tokens_per_batch {tokens_per_batch} is not a multiple of max_seq_len {max_seq_len}: "
-                          f"batches hold {self.rows_per_batch * max_seq_len} slots", stacklevel=2)
+                          f"batches hold {self.rows * max_seq_len} slots", stacklevel=2)
+        if strategy == "pad_to_max" and rows_per_batch is not None:
+            if rows_per_batch > self.rows:
+                warnings.warn(f"rows_per_batch {rows_per_batch} is more than the {self.rows} rows of max_seq_len "
+                              f"{max_seq_len} that tokens_per_batch {tokens_per_batch} holds: pad_to_max batches "
+                              f"hold {self.rows}", stacklevel=2)
+            self.rows = min(self.rows, rows_per_batch)
         self.epoch, self.position = 0, 0
         self._plan_epoch, self._plan = -1, []
 
@@ -277,8 +290,8 @@ class BatchSampler:
             raise ValueError("data.tokens_per_batch: auto is chosen by `gapless train` on a GPU (the batch finder); "
                              "give a number of tokens here")
         return cls(mix, strategy=cfg.batching, max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch,
-                   pad_to_multiple_of=cfg.pad_to_multiple_of, pack_algorithm=cfg.pack_algorithm, seed=cfg.seed,
-                   shuffle=shuffle)
+                   rows_per_batch=cfg.rows_per_batch, pad_to_multiple_of=cfg.pad_to_multiple_of,
+                   pack_algorithm=cfg.pack_algorithm, seed=cfg.seed, shuffle=shuffle)
 
     # -- the plan of an epoch: a list of batches, each a list of rows (packed) or documents (padded)
 
@@ -297,16 +310,19 @@ class BatchSampler:
             rows = [[int(docs[i]) for i in row] for row in PACKERS[self.pack_algorithm](lengths, self.max_seq_len)]
             if self.shuffle:  # packing sorted the documents by length; spread long and short rows again
                 rows = [rows[i] for i in rng.permutation(len(rows))]
-            b = self.rows_per_batch
+            b = self.rows
             return [rows[i:i + b] for i in range(0, len(rows), b)]
         if self.strategy == "pad_to_max":
-            b = self.rows_per_batch
+            b = self.rows
             return [docs[i:i + b].tolist() for i in range(0, len(docs), b)]
         if self.strategy == "padded":
             return self._fill(docs.tolist(), lengths.tolist())
         assert self.strategy == "length_grouped", self.strategy
         mean = int(lengths.mean()) if len(lengths) else 1
-        mega = 50 * max(1, self.tokens_per_batch // max(1, mean))  # ~50 batches, as HF's LengthGroupedSampler
+        per_batch = max(1, self.tokens_per_batch // max(1, mean))
+        if self.rows_per_batch is not None:
+            per_batch = min(per_batch, self.rows_per_batch)
+        mega = 50 * per_batch  # ~50 batches, as HF's LengthGroupedSampler (50 x its batch size)
         batches = []
         for i in range(0, len(docs), mega):
             d, n = docs[i:i + mega], lengths[i:i + mega]
@@ -315,11 +331,13 @@ class BatchSampler:
         return [batches[i] for i in rng.permutation(len(batches))] if self.shuffle else batches
 
     def _fill(self, docs: list[int], lengths: list[int]) -> list[list[int]]:
-        """Greedy: add documents while (count) * (longest, rounded up) fits in tokens_per_batch slots."""
+        """Greedy: add documents while (count) * (longest, rounded up) fits in tokens_per_batch slots and count is at
+        most rows_per_batch."""
         batches, cur, longest = [], [], 0
+        most = self.rows_per_batch or len(docs)
         for d, n in zip(docs, lengths):
             t = _round_up(max(longest, n), self.pad_to_multiple_of)
-            if cur and (len(cur) + 1) * t > self.tokens_per_batch:
+            if cur and ((len(cur) + 1) * t > self.tokens_per_batch or len(cur) == most):
                 batches.append(cur)
                 cur, longest = [], 0
             cur.append(d)
@@ -338,8 +356,7 @@ class BatchSampler:
         return self._padded(item, t)
 
     def _packed(self, rows: list[list[int]]) -> Batch:
-        return pack_rows([[self.mix.doc(d) for d in row] for row in rows], self.rows_per_batch, self.max_seq_len,
-                         self.pad_id)
+        return pack_rows([[self.mix.doc(d) for d in row] for row in rows], self.rows, self.max_seq_len, self.pad_id)
 
     def _padded(self, docs: list[int], t: int) -> Batch:
         b = len(docs)
@@ -387,7 +404,7 @@ class BatchSampler:
         lengths = self.mix.lengths
         if self.strategy == "packed":
             real = sum(int(lengths[d]) for batch in plan for row in batch for d in row)
-            return real / (len(plan) * self.rows_per_batch * self.max_seq_len)
+            return real / (len(plan) * self.rows * self.max_seq_len)
         real = slots = 0
         for batch in plan:
             n = lengths[batch]
@@ -399,11 +416,12 @@ class BatchSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "strategy": self.strategy,
                 "num_docs": len(self.mix), "max_seq_len": self.max_seq_len, "tokens_per_batch": self.tokens_per_batch,
-                "data": self.mix.fingerprint, "cache_version": CACHE_VERSION}
+                "rows_per_batch": self.rows_per_batch, "data": self.mix.fingerprint, "cache_version": CACHE_VERSION}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "strategy", "num_docs", "max_seq_len", "tokens_per_batch"):
+        state = {"rows_per_batch": None, **state}  # checkpoints written before rows_per_batch: as many as fit
+        for key in ("seed", "strategy", "num_docs", "max_seq_len", "tokens_per_batch", "rows_per_batch"):
             if state[key] != mine[key]:
                 raise ValueError(f"data: cannot resume: the saved sampler had {key}={state[key]!r}, this run has "
                                  f"{mine[key]!r}; the batch order would not continue where it stopped")

@@ -2,7 +2,8 @@
 
 The global stream is what a 1-process run sees: BatchSampler's plan, batch after batch, its state two integers
 (epoch, position). With W ranks every rank walks the same plan; each global batch's packed rows are split into W
-disjoint sets of rows_per_batch / W rows, and each rank collates its set. So:
+disjoint sets of rows / W rows (BatchSampler.rows: tokens_per_batch // max_seq_len), and each rank collates its
+set. So:
 - the order of the data does not depend on W: a checkpoint's sampler state (the global position) resumes at any
   other number of ranks with exactly the next global batch;
 - the W ranks of one step together train the rows one process trains in that step, so with the loss divided by
@@ -59,9 +60,9 @@ def split_rows(tokens: list[int], ranks: int, per_rank: int) -> list[list[int]]:
 def rank_tokens(strategy: str, tokens_per_batch: int, max_seq_len: int, world_size: int,
                 sharded: bool = False) -> int:
     """Slots of each rank's micro-batch: data.tokens_per_batch is the GLOBAL micro-batch, its packed rows dealt
-    out equally (rows_per_batch / world_size rows of max_seq_len each), so a step trains the same tokens at any
-    number of GPUs. ValueError when `world_size` processes cannot share it (what ShardedSampler refuses).
-    sharded: the stream is split even at world_size 1 (a torchrun launch of one process)."""
+    out equally (tokens_per_batch // max_seq_len / world_size rows of max_seq_len each), so a step trains the same
+    tokens at any number of GPUs. ValueError when `world_size` processes cannot share it (what ShardedSampler
+    refuses). sharded: the stream is split even at world_size 1 (a torchrun launch of one process)."""
     if world_size == 1 and not sharded:
         return tokens_per_batch
     if strategy != "packed":
@@ -84,7 +85,7 @@ class ShardedSampler(BatchSampler):
         super().__init__(mix, **settings)
         rank_tokens(self.strategy, self.tokens_per_batch, self.max_seq_len, world_size, sharded=True)  # or raises
         self.rank, self.world_size = rank, world_size
-        self.rows_per_rank = self.rows_per_batch // world_size
+        self.rows_per_rank = self.rows // world_size
         # collates this rank's rows: the same data and settings, rows_per_rank rows per batch
         self.local = BatchSampler(mix, strategy="packed", max_seq_len=self.max_seq_len,
                                   tokens_per_batch=self.rows_per_rank * self.max_seq_len,
@@ -95,8 +96,9 @@ class ShardedSampler(BatchSampler):
         """`sampler`'s stream (its settings and state), sharded."""
         sharded = cls(sampler.mix, rank=rank, world_size=world_size, strategy=sampler.strategy,
                       max_seq_len=sampler.max_seq_len, tokens_per_batch=sampler.tokens_per_batch,
-                      pad_to_multiple_of=sampler.pad_to_multiple_of, pack_algorithm=sampler.pack_algorithm,
-                      seed=sampler.seed, pad_id=sampler.pad_id, shuffle=sampler.shuffle)
+                      rows_per_batch=sampler.rows_per_batch, pad_to_multiple_of=sampler.pad_to_multiple_of,
+                      pack_algorithm=sampler.pack_algorithm, seed=sampler.seed, pad_id=sampler.pad_id,
+                      shuffle=sampler.shuffle)
         sharded.load_state_dict(sampler.state_dict())
         return sharded
 
