@@ -308,6 +308,40 @@ def test_unset_keys_take_the_peers_defaults(files):
         convert(ax)
 
 
+def test_unpacked_batch_sizes_are_documents_per_batch(files):
+    """TRL's per_device_train_batch_size and Axolotl's micro_batch_size with packing off are that many examples per
+    batch: data.rows_per_batch, within as many rows of slots. Mapped to the slots alone, gapless's padded batches
+    held as many documents as fit (5 of the demo's ~21-token chats in 2 x 64 slots, 39 of 100 tokens in TRL's
+    2 x 2048): another number of examples per optimizer step than the peer's. Packed, it stays rows of slots."""
+    trl = yaml.safe_load(TRL.format(**{**files, "out": files["root"] / "run_trl_unpacked", "chat": files["trl_chat"]}))
+    conv = convert({**trl, "packing": False})
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.data.batching, cfg.data.tokens_per_batch, cfg.data.rows_per_batch) == ("padded", 2 * 64, 2)
+    assert ("per_device_train_batch_size: 2", "data.rows_per_batch: 2  (2 documents per batch, not as many as fit "
+                                              "in the slots)") in conv.applied
+    ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    cfg = from_dict(RunConfig, convert({**ax, "sample_packing": False}).config)
+    assert (cfg.data.batching, cfg.data.tokens_per_batch, cfg.data.rows_per_batch) == ("padded", 2 * 64, 2)
+    # unset: the peers' defaults, TRL's 8 and Axolotl's 1, whose sample_packing is off unless set
+    trl_default = convert({k: v for k, v in trl.items() if k not in ("packing", "per_device_train_batch_size")})
+    assert "per_device_train_batch_size: (unset)" in trl_default.format()
+    assert (trl_default.config["data"]["tokens_per_batch"], trl_default.config["data"]["rows_per_batch"]) == (512, 8)
+    ax_default = convert({k: v for k, v in ax.items() if k not in ("sample_packing", "micro_batch_size")}).config
+    assert (ax_default["data"]["batching"], ax_default["data"]["tokens_per_batch"],
+            ax_default["data"]["rows_per_batch"]) == ("padded", 64, 1)
+    for packed in (trl, ax):
+        cfg = from_dict(RunConfig, convert(packed).config)
+        assert (cfg.data.batching, cfg.data.tokens_per_batch, cfg.data.rows_per_batch) == ("packed", 128, None)
+    # a run of the converted TRL config trains, and keeps the cap in its resume state
+    cfg = from_dict(RunConfig, {**conv.config, "model": {**conv.config["model"], "device": "cpu", "dtype": "float32"},
+                                "data": {**conv.config["data"], "cache_dir": str(files["root"] / "cache"),
+                                         "num_workers": 0}, "progress": False})
+    result = train(cfg)
+    assert result.steps == 3
+    (meta,) = [json.loads(p.read_text()) for p in result.run_dir.glob("checkpoints/*/meta.json")]
+    assert meta["sampler"]["rows_per_batch"] == 2
+
+
 def test_harmless_keys_are_listed_and_their_harmful_values_refused(files):
     ax = yaml.safe_load(AXOLOTL.format(**files, out="x"))
     text = convert({**ax, "adapter": "qlora", "load_in_4bit": True, "special_tokens": {"pad_token": "<pad>"},

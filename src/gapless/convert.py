@@ -424,14 +424,21 @@ def _default(c: _Converter, key: str, dotted: str, value: Any, who: str, note: s
 
 
 def _batch(c: _Converter, batch_key: str, seq: int, packing: bool, default: int, who: str) -> None:
+    """The peer's per-device batch size: packed, that many rows of seq slots; unpacked, that many documents per batch
+    (data.rows_per_batch), each padded to the batch's longest, within as many rows of seq slots. Without the rows
+    cap gapless would fill those slots with as many documents as fit (39 of 100 tokens, padded to 104, in 2 x 2048):
+    other examples per optimizer step than the peer trains."""
     micro = c.get(batch_key)
-    how = (f"{micro or default} rows of {seq} slots, packed" if packing else
-           f"{micro or default} x {seq} slots; padded batches hold as many documents as fit, each padded to the "
-           "longest")
-    if micro is None:
-        _default(c, batch_key, "data.tokens_per_batch", default * seq, who, f": {how}")
-    else:
-        c.put(batch_key, "data.tokens_per_batch", int(micro) * seq, how)
+    rows = default if micro is None else int(micro)
+    targets = [("data.tokens_per_batch", rows * seq, f"{rows} rows of {seq} slots, packed" if packing else
+                f"{rows} x {seq} slots at most, each document padded to its batch's longest")]
+    if not packing:
+        targets.append(("data.rows_per_batch", rows, f"{rows} documents per batch, not as many as fit in the slots"))
+    for dotted, value, how in targets:
+        if micro is None:
+            _default(c, batch_key, dotted, value, who, f": {how}")
+        else:
+            c.put(batch_key, dotted, value, how)
 
 
 # ---------------------------------------------------------------------------------------------
