@@ -47,6 +47,10 @@ def test_a_config_file_with_column_mapping_and_overrides(shared, tmp_path, capsy
     assert summary["batching"] == "padded"
     assert summary["truncated"] == 3  # the three gsm8k problems of 512+ Qwen2 tokens
     assert "«Natalia sold 48/2 = <<48/2=24>>24 clips in May." in out
+    # 2 documents per batch (a peer's per-device batch size, unpacked): 3,737 batches of the 7,473, not as many as fit
+    code, out, _ = run(capsys, config, "--set", "max_seq_len=512", "--set", "tokens_per_batch=8192", "--set",
+                       "rows_per_batch=2")
+    assert code == 0 and "3,737 batches of up to 2 documents in up to 8,192 slots (padded, max_seq_len 512)" in out
 
 
 def test_bad_input_stops_with_file_and_line_or_is_counted(tmp_path, shared, capsys):

@@ -169,6 +169,17 @@ def test_report_header_numbers_and_findings(tmp_path):
     assert "input-bound" in slow and "waiting for data" in slow
 
 
+def test_report_config_says_the_batch_size_in_documents():
+    from gapless.meter.report import _config_rows
+
+    def batching(data):
+        return dict(_config_rows({"data": data}))["batching"]
+
+    assert batching({"batching": "packed", "tokens_per_batch": 16384}) == "packed, tokens/batch 16384"
+    assert batching({"batching": "padded", "tokens_per_batch": 4096, "rows_per_batch": 2}) == \
+        "padded, tokens/batch 4096, documents/batch at most 2"
+
+
 def test_report_without_gpu_and_gap(tmp_path):
     run = make_run(tmp_path / "run", steps=40, gpu=False, gap=False, mfu=False)
     page = write_report(run).read_text()

@@ -51,6 +51,7 @@ class DataSummary:
     batching: str
     max_seq_len: int
     tokens_per_batch: int
+    rows_per_batch: int | None  # documents per batch at most (padded strategies); None: as many as fit
     batches_per_epoch: int
     packing_efficiency: float  # real tokens / slots over epoch 0
     tokenize_seconds: float
@@ -103,7 +104,7 @@ class DataSummary:
             target_tokens=sum(r.target_tokens for r in rows), train_docs=len(epoch),
             train_tokens=int(mix.lengths[epoch].sum()), eval_docs=len(eval_mix) if eval_mix else 0,
             eval_tokens=int(eval_mix.lengths.sum()) if eval_mix else 0, batching=cfg.batching,
-            max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch,
+            max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch, rows_per_batch=cfg.rows_per_batch,
             batches_per_epoch=sampler.batches_per_epoch(0) if len(mix) else 0,
             packing_efficiency=round(sampler.efficiency(0), 5) if len(mix) else 0.0,
             tokenize_seconds=round(sum(r.seconds for r in rows if r.cache == "miss"), 3), warnings=warnings)
@@ -130,7 +131,8 @@ class DataSummary:
             lines += [f"  {e}" for e in errors]
         lines.append(f"train: {self.train_docs:,} documents, {self.train_tokens:,} tokens per epoch; "
                      f"{self.batches_per_epoch:,} batches of {'' if self.batching == 'packed' else 'up to '}"
-                     f"{self.tokens_per_batch:,} slots ({self.batching}, "
+                     + (f"{self.rows_per_batch:,} documents in up to " if self.rows_per_batch else "")
+                     + f"{self.tokens_per_batch:,} slots ({self.batching}, "
                      f"max_seq_len {self.max_seq_len:,})")
         lines.append(f"packing efficiency: {100 * self.packing_efficiency:.2f}% (real tokens / slots)")
         if self.eval_docs:
