@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gapless.train.batch_finder import find_token_budget, run_with_oom_backoff
+from gapless.train.batch_finder import find_token_budget, most_for_rows, run_with_oom_backoff
 
 GIB = 2 ** 30
 
@@ -53,6 +53,24 @@ def test_too_pessimistic_grows_and_respects_the_maximum():
     assert [t for t, _ in choice.trials][:3] == [4_096, 5_120, 6_400]  # x1.25 per trial
     assert max(t for t, _ in choice.trials) <= 32_768
     assert choice.tokens <= 32_768 * 0.9
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 10, 40])
+def test_rows_per_batch_bounds_the_trials_and_the_choice(rows):
+    """data.rows_per_batch: batches fill at most that many rows, so with memory to spare the finder tries no more
+    than what backs off to them and chooses exactly them (not 0.9 x them: 1 row of 2 at rows_per_batch 2); where
+    they do not fit, less, as without the cap."""
+    seq = 2048
+    gpu = SimulatedGpu(fixed_gib=2, per_token_kib=100, capacity_gib=80)
+    most = most_for_rows(rows, seq)
+    choice = find_token_budget(4 * seq, gpu.try_step, 80 * GIB, granularity=seq, minimum=seq, maximum=most,
+                               per_token_bytes=gpu.per_token)
+    assert choice.tokens == rows * seq and max(t for t, _ in choice.trials) <= most
+    assert (most - seq) * 0.9 // seq < rows  # the fewest rows that back off to `rows`
+    small = SimulatedGpu(fixed_gib=6, per_token_kib=2500, capacity_gib=24)  # ~6,500 tokens fit 90% of 24 GiB
+    choice = find_token_budget(4 * seq, small.try_step, 24 * GIB, granularity=seq, minimum=seq, maximum=most,
+                               per_token_bytes=small.per_token)
+    assert choice.tokens == min(rows, 2) * seq  # 3 rows fit, backed off 10%: 2
 
 
 @pytest.mark.parametrize("model_kib", [4000, 3000, 5000])

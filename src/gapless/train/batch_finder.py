@@ -98,6 +98,16 @@ def find_token_budget(predicted: int, try_step: Callable[[int], float | None], f
     return choice
 
 
+def most_for_rows(rows: int, max_seq_len: int, backoff: float = 0.1) -> int:
+    """The largest budget worth a trial for batches of at most `rows` documents (data.rows_per_batch): the fewest
+    rows of max_seq_len that back off (find_token_budget's arithmetic) to `rows` of them, the most such a batch
+    fills. Without it the finder would try, and back off from, budgets no batch of the run ever fills."""
+    most = rows
+    while _round_down(most * max_seq_len * (1 - backoff), max_seq_len) < rows * max_seq_len:
+        most += 1
+    return most * max_seq_len
+
+
 def drop_gradients(model, params: list[torch.Tensor]) -> None:
     """A trial step's gradients dropped: the model's, and those of the optimizer's tensors (the float32 masters hold
     the folded gradients of bf16/fp16 trainable weights)."""
@@ -175,12 +185,14 @@ def full_rows(rows: int, seq_len: int, vocab_size: int, device: torch.device) ->
 
 def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.device, method: str, *, max_seq_len: int,
                             estimate: dict, fraction: float = 0.9, backoff: float = 0.1,
-                            maximum: int | None = None) -> BatchChoice:
+                            maximum: int | None = None, rows_per_batch: int | None = None) -> BatchChoice:
     """`data.tokens_per_batch: auto` for an assembled model: the memory model's proposal for `fraction` of the memory
     this process can use (free now + what it already holds: the weights), then trial steps (forward and backward
     of full packed rows; the optimizer's state, allocated at the first real step, added as 8 B per trainable
     element), in whole rows of max_seq_len. `estimate`: estimate_memory's keyword arguments for this run. The trials
-    draw random numbers under a forked RNG, so the run's own stream is as without them."""
+    draw random numbers under a forked RNG, so the run's own stream is as without them. rows_per_batch: the
+    run's data.rows_per_batch; its batches fill at most that many rows, so the choice is at most them
+    (most_for_rows), and less where they do not fit."""
     if device.type != "cuda":
         raise ValueError(f"data.tokens_per_batch: auto measures the GPU's memory, and this run is on {device.type}; "
                          "give a number of tokens")
@@ -189,6 +201,8 @@ def choose_tokens_per_batch(model, params: list[torch.Tensor], device: torch.dev
     # each trial row is one document: no more than one varlen attention call takes (a tiny model at a short
     # max_seq_len could otherwise fill a big GPU with more)
     cap = MAX_VARLEN_DOCUMENTS * max_seq_len
+    if rows_per_batch is not None:
+        cap = min(cap, most_for_rows(rows_per_batch, max_seq_len, backoff))
     maximum = cap if maximum is None else min(maximum, cap)
     free, _ = torch.cuda.mem_get_info(device)
     capacity = free + torch.cuda.memory_allocated(device)

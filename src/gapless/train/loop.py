@@ -430,7 +430,7 @@ def auto_tokens_per_batch(cfg: RunConfig, model, method: Method, params: list[to
                     "activation_checkpointing": cfg.model.activation_checkpointing,
                     "compiled": bool(cfg.model.compile), "loss_chunk": model.loss_chunk_size or DEFAULT_CHUNK_SIZE}
         choice = choose_tokens_per_batch(model, params, device, method.name, max_seq_len=cfg.data.max_seq_len,
-                                         estimate=estimate)
+                                         estimate=estimate, rows_per_batch=cfg.data.rows_per_batch)
         record.write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
         tokens = choice.tokens
         progress.message(f"data.tokens_per_batch auto: {choice.reason}")
