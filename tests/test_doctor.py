@@ -392,6 +392,20 @@ def test_padding_predicted_on_the_users_data_and_error_exit(demo, capsys):
     assert "cfg.model" in capsys.readouterr().out
 
 
+def test_rows_per_batch_is_diagnosed_on_the_users_data(demo):
+    """Padded batches capped at 2 documents (a converted TRL per_device_train_batch_size 2): the packed comparison
+    runs without the cap (packed refuses it), and the tokens per step say documents, not 256 x efficiency."""
+    cfg = cfg_of(demo, "data.batching=padded", "data.rows_per_batch=2", "train.grad_accum=2", "train.epochs=1",
+                 "train.steps=0")
+    result = d.diagnose(cfg, probe_disk=False)
+    eff = result["facts"]["packing_efficiency"]
+    assert set(eff) == {"padded", "packed"} and result["facts"]["steps"] == 300 // 2 // 2
+    (f,) = [f for f in result["findings"] if f.id == "cfg.tokens_per_step"]
+    assert "= at most 512 slots and 4 documents (data.rows_per_batch 2 per micro-batch) per optimizer step" in f.detail
+    (f,) = d.check_batching(cfg, {"padded": 0.40, "packed": 0.98})  # packing's fix unsets the cap it refuses
+    assert f.severity == "warning" and f.fix == "data.batching: packed  data.rows_per_batch: null"
+
+
 def test_unreadable_data_is_an_error(demo, tmp_path):
     bad_file = tmp_path / "bad.jsonl"
     bad_file.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')

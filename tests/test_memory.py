@@ -1,5 +1,6 @@
 """The memory model (gapless.meter.memory) on shapes counted by hand, against the built model, and against the
 H200 peaks it was fitted to (bench/results.jsonl)."""
+import re
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,14 @@ def test_dry_run_prints_memory_steps_and_time(shared, tmp_path, capsys):
     assert "fits a 24 GiB GPU" in out and "tokens per step: 16,384 slots (2 x 8,192)" in out
     assert "at 4,000 real tokens/s (given)" in out
     assert not (tmp_path / "run").exists()  # nothing ran
+    # padded, 2 documents per batch: 20 batches of the 40 an epoch, 2 epochs, 2 per step; the real tokens per step are
+    # the 4 documents', not 16,384 x efficiency
+    assert cli.main(["train", str(config), "data.batching=padded", "data.rows_per_batch=2", "--dry-run",
+                     "--gpu-gib", "24", "--tokens-per-s", "4000"]) == 0
+    out = capsys.readouterr().out
+    real = re.search(r"tokens per step: 16,384 slots \(2 x 8,192\), at most 4 documents, ~([\d,]+) real at "
+                     r"[\d.]+% packing; steps: 20\n", out)
+    assert real and int(real[1].replace(",", "")) < 4 * 1000, out
 
     assert cli.main(["train", str(config), "data.tokens_per_batch=auto", "method=full",
                      "model.activation_checkpointing=0", "--dry-run", "--gpu-gib", "80"]) == 0

@@ -158,6 +158,22 @@ def test_auto_tokens_per_batch_is_resolved_per_gpu():
     assert f"data.tokens_per_batch: {4 * p.rank_tokens:,}" in p4.problems[0]
 
 
+def test_rows_per_batch_sets_the_tokens_of_a_step():
+    """Padded batches of at most 2 documents of 300 tokens hold 600 real tokens, not 16,384 slots x efficiency: the
+    steps are as many as the documents take, 2 a batch; pad_to_max rows are the fewer; auto picks at most 2 rows."""
+    padded = workload(batching="padded", efficiency=0.9, rows_per_batch=2, doc_tokens=300.0, micro_batches=2)
+    assert padded.step_tokens(16_384) == pytest.approx(2 * 2 * 300)
+    assert predict(padded, GPUS["H200"], 1).steps == math.ceil(13.5e6 / 1200)
+    assert workload(batching="padded", efficiency=0.9).step_tokens(16_384) == pytest.approx(16_384 * 0.9)
+    long_docs = workload(batching="padded", efficiency=0.9, rows_per_batch=8, doc_tokens=4000.0)
+    assert long_docs.step_tokens(16_384) == pytest.approx(16_384 * 0.9)  # 4 of them fill the slots first
+    to_max = workload(batching="pad_to_max", efficiency=0.1, rows_per_batch=2)
+    assert to_max.step_tokens(16_384) == pytest.approx(2 * 4096 * 0.1)
+    p = predict(workload(batching="padded", tokens_per_batch="auto", rows_per_batch=2, doc_tokens=300.0),
+                GPUS["H100"], 1)
+    assert p.rank_tokens == 2 * 4096
+
+
 def test_where_more_gpus_stop_paying():
     w = workload()
     preds = verdicts([predict(w, GPUS["H200"], n, startup_s=86) for n in (1, 8)], w)

@@ -456,6 +456,11 @@ def _is_gpu(cfg: RunConfig, env: dict) -> bool:
     return env["gpu"]["cuda_available"] and cfg.model.device != "cpu"
 
 
+def _packed_fix(d) -> str:
+    """The fix that packs, without data.rows_per_batch: packed rows hold many documents each and refuse it."""
+    return "data.batching: packed" + ("  data.rows_per_batch: null" if d.rows_per_batch else "")
+
+
 def check_batching(cfg: RunConfig, efficiencies: dict[str, float]) -> list[Finding]:
     """`efficiencies`: real tokens / slots of epoch 0 of the run's own data, per strategy (the configured one and
     packed at least)."""
@@ -465,7 +470,7 @@ def check_batching(cfg: RunConfig, efficiencies: dict[str, float]) -> list[Findi
              f"{1 - packed:.1%})"
     if cfg.data.batching != "packed" and packed - mine > PADDING_NOISE:
         return _f("cfg.batching", "warning", detail,
-                  f"{1 - mine / packed:.0%} of throughput (compute spent on padding)", "data.batching: packed")
+                  f"{1 - mine / packed:.0%} of throughput (compute spent on padding)", _packed_fix(cfg.data))
     return _f("cfg.batching", "ok", detail)
 
 
@@ -476,20 +481,29 @@ def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> l
     from gapless.data.sharding import rank_tokens
 
     d = cfg.data
-    slots = d.tokens_per_batch if d.batching != "packed" else (d.tokens_per_batch // d.max_seq_len) * d.max_seq_len
+    rows = d.tokens_per_batch // d.max_seq_len
+    if d.batching == "pad_to_max" and d.rows_per_batch:
+        rows = min(rows, d.rows_per_batch)
+    slots = rows * d.max_seq_len if d.batching in ("packed", "pad_to_max") else d.tokens_per_batch
     k = cfg.train.grad_accum
     try:
         per_gpu = rank_tokens(d.batching, d.tokens_per_batch, d.max_seq_len, gpus)
     except ValueError as e:
         return _f("cfg.tokens_per_step", "error", f"{gpus} GPUs: {e}", "the run stops before its first step",
                   f"data.tokens_per_batch: {max(1, slots // (gpus * d.max_seq_len)) * gpus * d.max_seq_len:,}"
-                  if d.batching == "packed" else "data.batching: packed")
+                  if d.batching == "packed" else _packed_fix(d))
     per_gpu_slots = per_gpu if gpus > 1 else slots
-    detail = (f"global batch = {per_gpu_slots:,} slots per GPU x {k} accumulation x {gpus} GPU(s) = "
-              f"{per_gpu_slots * k * gpus:,} slots, about {per_gpu_slots * k * gpus * efficiency:,.0f} real tokens "
+    # padded batches of at most data.rows_per_batch documents fill tokens_per_batch only with long ones: their
+    # tokens per step depend on the lengths, the documents do not
+    capped = d.rows_per_batch and d.batching in ("padded", "length_grouped")
+    per_step = (f"at most {per_gpu_slots * k * gpus:,} slots and {d.rows_per_batch * k * gpus:,} documents "
+                f"(data.rows_per_batch {d.rows_per_batch:,} per micro-batch)" if capped else
+                f"{per_gpu_slots * k * gpus:,} slots, about {per_gpu_slots * k * gpus * efficiency:,.0f} real tokens")
+    detail = (f"global batch = {per_gpu_slots:,} slots per GPU x {k} accumulation x {gpus} GPU(s) = {per_step} "
               "per optimizer step" + (f" (data.tokens_per_batch {d.tokens_per_batch:,} is the global micro-batch, "
                                       f"split over the {gpus} GPUs)" if gpus > 1 else ""))
-    if d.batching in ("packed", "pad_to_max") and d.tokens_per_batch % d.max_seq_len:
+    if d.batching in ("packed", "pad_to_max") and d.tokens_per_batch % d.max_seq_len and rows == \
+            d.tokens_per_batch // d.max_seq_len:
         lost = 1 - slots / d.tokens_per_batch
         return _f("cfg.tokens_per_step", "warning", detail + f"; tokens_per_batch is not a multiple of max_seq_len "
                   f"{d.max_seq_len:,}: batches hold {slots:,} slots", f"{lost:.0%} of the batch budget unused",
@@ -511,7 +525,8 @@ def resolve_auto_tokens(cfg: RunConfig, env: dict, args, gpus: int = 1) -> tuple
         from gapless.meter.memory import auto_tokens, estimate_kwargs
 
         g = _gpus(env)[0]
-        pick = auto_tokens(args, cfg.method, g["memory_gib"], d.max_seq_len, **estimate_kwargs(cfg))
+        pick = auto_tokens(args, cfg.method, g["memory_gib"], d.max_seq_len, d.rows_per_batch,
+                           **estimate_kwargs(cfg))
         where = f"{g['name']}'s {g['memory_gib']:.0f} GiB"
     if _is_gpu(cfg, env) and args is not None and not pick:
         resolved = d.max_seq_len
@@ -815,10 +830,11 @@ def build_run_data(cfg: RunConfig):
 
 
 def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_token: float, weights: int,
-                     gpus: int = 1) -> tuple[float | None, str]:
+                     gpus: int = 1, slots_per_step: float | None = None) -> tuple[float | None, str]:
     """Seconds per optimizer step: an earlier run in output_dir (its measured real tokens/s, all GPUs together),
     else the plan's single-GPU figure for the GPU here over each GPU's share of the step's slots (padding costs
-    compute as a token does; traffic between GPUs left out: gapless plan), else None."""
+    compute as a token does; traffic between GPUs left out: gapless plan), else None. slots_per_step: the step's
+    slots measured on the data (None: tokens_per_batch x grad_accum, full batches)."""
     from gapless.diagnosis.plan import gpu_from_name, measured_from_run, single_gpu_tokens_per_s
 
     earlier = f"no earlier run in {cfg.output_dir}"
@@ -836,7 +852,7 @@ def predicted_step_s(cfg: RunConfig, env: dict, real_per_step: float, flops_toke
         except ValueError as e:
             return None, str(e)
         toks, source = single_gpu_tokens_per_s(gpu, flops_token, weights)
-        slots = cfg.data.tokens_per_batch * cfg.train.grad_accum / gpus
+        slots = (cfg.data.tokens_per_batch * cfg.train.grad_accum if slots_per_step is None else slots_per_step) / gpus
         return slots / toks, (f"predicted for {slots:,.0f} slots per step" + (" per GPU" if gpus > 1 else "")
                               + f" at {toks:,.0f} tok/s = {source}")
     return None, f"{NO_GPU} and {earlier}"
@@ -887,7 +903,9 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     findings += check_cache(summary)
     eff = {}
     for strategy in dict.fromkeys([cfg.data.batching, "packed"]):
-        eff[strategy] = BatchSampler.from_config(replace(cfg.data, batching=strategy), mix).efficiency(0)
+        rows = cfg.data.rows_per_batch if strategy == cfg.data.batching else None  # (packed takes no rows cap)
+        eff[strategy] = BatchSampler.from_config(replace(cfg.data, batching=strategy, rows_per_batch=rows),
+                                                 mix).efficiency(0)
     facts["packing_efficiency"] = eff
     findings += check_batching(cfg, eff)
     findings += check_tokens_per_step(cfg, eff[cfg.data.batching], gpus)
@@ -899,10 +917,12 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     step_s, source = None, "the model's config.json was not read"
     if args:
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
-        real_step = cfg.data.tokens_per_batch * cfg.train.grad_accum * eff[cfg.data.batching]
+        # the epoch's batches on average, not tokens_per_batch x efficiency: padded batches of at most
+        # data.rows_per_batch short documents fill a small part of tokens_per_batch
+        real_step = float(lengths.sum()) / max(sampler.batches_per_epoch(), 1) * cfg.train.grad_accum
         step_s, source = predicted_step_s(cfg, env, real_step,
                                           flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args),
-                                          gpus)
+                                          gpus, slots_per_step=real_step / max(eff[cfg.data.batching], 1e-9))
         facts["step_s"], facts["step_source"] = step_s, source
     findings += check_checkpoint(cfg, step_s, ckpt, write_bps, steps, source)
     # the run's folder holds (keep + 1) checkpoints while the newest is written, plus the final adapter

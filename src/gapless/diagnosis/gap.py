@@ -332,6 +332,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     # -- advertised conditions
     base = copy.deepcopy(user)
     base.data.batching, base.train.grad_accum, base.train.log_every = "packed", 1, last
+    base.data.rows_per_batch = None  # packed rows hold many documents: no cap on them
     base.checkpoint.every, base.train.eval_every = 0, 0
     base.model.dtype = ADVERTISED_DTYPE if device.type == "cuda" else user.model.dtype
     rows = (d.tokens_per_batch // d.max_seq_len) * (last + 1)  # one epoch covers the warm-up and the window
@@ -341,13 +342,14 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
 
     # -- real lengths with the user's batching
     run = copy.deepcopy(base)
-    run.data.batching = d.batching
+    run.data.batching, run.data.rows_per_batch = d.batching, d.rows_per_batch
     w = runner.window("real-lengths", run, (mix, None, summary))
     ceiling = {"label": "ceiling, your lengths", "tokens_per_s": w.ceiling_tokens_per_s,
                "note": f"your documents at 100% MFU: the matmul peak measured here "
                        f"({w.peak_tflops:.3g} TFLOP/s) over the model FLOPs per real token on your lengths "
                        "(gapless/meter/flops.py); no run reaches it"}
-    fix = ("data.batching: packed" if d.batching != "packed" else
+    unset_rows = "  data.rows_per_batch: null" if d.rows_per_batch else ""  # packed rows refuse the cap
+    fix = ("data.batching: packed" + unset_rows if d.batching != "packed" else
            "data.pack_algorithm: best_fit" if d.pack_algorithm != "best_fit" else
            "none in the config: packed already; the rest is your documents' lengths (row tails)")
     stages.measured("real lengths", f"data.batching: {d.batching}", (w.tokens_per_step, w.step_s),

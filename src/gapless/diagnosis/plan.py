@@ -194,10 +194,11 @@ class MemorySpec:
 
         return max_tokens(self.args, self.method, budget_gib, shards=shards, **self.kwargs)
 
-    def auto_tokens(self, gpu_gib: float, max_seq_len: int, shards: int = 1) -> int:
+    def auto_tokens(self, gpu_gib: float, max_seq_len: int, shards: int = 1, rows_per_batch: int | None = None) -> int:
         from gapless.meter.memory import auto_tokens
 
-        return auto_tokens(self.args, self.method, gpu_gib, max_seq_len, shards=shards, **self.kwargs)
+        return auto_tokens(self.args, self.method, gpu_gib, max_seq_len, rows_per_batch, shards=shards,
+                           **self.kwargs)
 
 
 @dataclass
@@ -219,6 +220,8 @@ class Workload:
     method: str = "lora"
     batching: str = "packed"
     memory: MemorySpec | None = None  # None: memory not predicted (weights only)
+    rows_per_batch: int | None = None  # data.rows_per_batch: documents per micro-batch at most (padded strategies)
+    doc_tokens: float = 0.0  # real tokens of the mean document (what a batch capped at rows_per_batch holds of each)
 
     @property
     def weights_gib(self) -> float:
@@ -226,10 +229,17 @@ class Workload:
 
     def step_tokens(self, tokens_per_batch: int) -> float:
         """Real tokens per optimizer step over all GPUs together: the global micro-batch's slots (whole rows when
-        packed) x accumulation x packing efficiency."""
-        slots = tokens_per_batch // self.max_seq_len * self.max_seq_len if self.batching == "packed" \
-            else tokens_per_batch
-        return slots * self.micro_batches * self.efficiency
+        packed or pad_to_max, at most rows_per_batch of them) x accumulation x packing efficiency; padded batches
+        capped at rows_per_batch documents hold at most that many of the mean length (2 documents of 100 tokens in
+        2 x 2,048 slots are 200 real tokens, not 4,096 x efficiency)."""
+        rows = tokens_per_batch // self.max_seq_len
+        if self.batching == "pad_to_max" and self.rows_per_batch:
+            rows = min(rows, self.rows_per_batch)
+        slots = rows * self.max_seq_len if self.batching in ("packed", "pad_to_max") else tokens_per_batch
+        real = slots * self.efficiency
+        if self.batching in ("padded", "length_grouped") and self.rows_per_batch:
+            real = min(real, self.rows_per_batch * self.doc_tokens)
+        return real * self.micro_batches
 
 
 @dataclass
@@ -341,7 +351,7 @@ def predict(w: Workload, gpu: Gpu, n: int, *, strategy: str = "auto", startup_s:
     shards = n if strategy == "fsdp2" else 1
     seq, problems = w.max_seq_len, []
     if w.tokens_per_batch == "auto":
-        rank = w.memory.auto_tokens(gpu.memory_gib, seq, shards) if w.memory else 0
+        rank = w.memory.auto_tokens(gpu.memory_gib, seq, shards, w.rows_per_batch) if w.memory else 0
         rank = rank or seq  # not even one row fits: the fit below says so; one row per GPU for the time figures
         if n > 1:
             problems.append(f"data.tokens_per_batch auto does not run under torchrun yet: data.tokens_per_batch: "
@@ -588,6 +598,7 @@ def workload_from_config(cfg, *, out=None) -> tuple[Workload, dict]:
     flops = method_of(cfg).flops
     w = Workload(tokens=0.0, tokens_per_batch=d.tokens_per_batch, micro_batches=cfg.train.grad_accum,
                  efficiency=efficiency, max_seq_len=d.max_seq_len, batching=d.batching,
+                 rows_per_batch=d.rows_per_batch, doc_tokens=float(lengths.mean()) if len(lengths) else 0.0,
                  flops_token=flops_per_token(args, lengths, flops), weights=matmul_weights(args),
                  params=model_params(args), trainable=trainable_params(args, flops),
                  param_bytes=4 if cfg.model.dtype == "float32" else 2,

@@ -229,12 +229,16 @@ def estimate_kwargs(cfg, compiled: bool | None = None, gpu: bool = True) -> dict
             "loss_chunk": DEFAULT_CHUNK_SIZE}
 
 
-def auto_tokens(args: ModelArgs, method: str, gpu_gib: float, max_seq_len: int, **kwargs) -> int:
+def auto_tokens(args: ModelArgs, method: str, gpu_gib: float, max_seq_len: int, rows_per_batch: int | None = None,
+                **kwargs) -> int:
     """What `data.tokens_per_batch: auto` is predicted to choose per GPU on a `gpu_gib` GPU by the memory model alone
-    (gapless.train.batch_finder: the budget at 90% of the memory, backed off 10%, in whole rows of max_seq_len);
-    0 when not even one row fits. The run measures its own choice."""
+    (gapless.train.batch_finder: the budget at 90% of the memory, backed off 10%, in whole rows of max_seq_len, at
+    most data.rows_per_batch rows); 0 when not even one row fits. The run measures its own choice."""
     best = max_tokens(args, method, 0.9 * gpu_gib, **kwargs)
-    return int(best * 0.9) // max_seq_len * max_seq_len if best >= max_seq_len else 0
+    if best < max_seq_len:
+        return 0
+    pick = int(best * 0.9) // max_seq_len * max_seq_len
+    return pick if rows_per_batch is None else min(pick, rows_per_batch * max_seq_len)
 
 
 def format_table(est: MemoryEstimate, title: str = "predicted peak memory") -> str:
@@ -278,9 +282,11 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
             raise ValueError("--gpu-gib: data.tokens_per_batch is auto; give the GPU's memory in GiB (e.g. 80) to "
                              "predict what the batch finder picks")
         best = max_tokens(args, cfg.method, 0.9 * gpu_gib, **estimate)
-        tokens = max(seq, auto_tokens(args, cfg.method, gpu_gib, seq, **estimate))
+        tokens = max(seq, auto_tokens(args, cfg.method, gpu_gib, seq, cfg.data.rows_per_batch, **estimate))
+        rows = f", at most data.rows_per_batch {cfg.data.rows_per_batch:,} rows" if cfg.data.rows_per_batch else ""
         lines.append(f"data.tokens_per_batch auto: ~{tokens:,} on a {gpu_gib:g} GiB GPU by the memory model "
-                     f"({best:,} at 90% of it, less 10%); the run measures its own choice")
+                     f"({best:,} at 90% of it, less 10%{rows}); the run measures its own choice")
+    # tokens_per_batch bounds every batch's slots, data.rows_per_batch or not: the peak of the fullest batch
     est = estimate_memory(args, cfg.method, tokens=tokens, **estimate)
     lines.append(format_table(est, f"predicted peak memory, {cfg.method}, {cfg.model.dtype}"))
     if gpu_gib is not None:
@@ -289,13 +295,16 @@ def dry_run_report(cfg, gpu_gib: float | None = None, tokens_per_s: float | None
     mix, _, summary = build_data(replace(cfg.data, tokens_per_batch=tokens), cfg.data.tokenizer or cfg.model.path)
     k = cfg.train.grad_accum
     steps = cfg.train.steps or math.ceil(cfg.train.epochs * summary.batches_per_epoch / k)
-    real_per_step = tokens * k * summary.packing_efficiency
+    # the epoch's batches on average, not tokens x efficiency: padded batches of at most data.rows_per_batch
+    # documents fill a small part of tokens_per_batch where the documents are short
+    real_per_step = summary.train_tokens / max(summary.batches_per_epoch, 1) * k
     lengths = [int(n) for n in mix.lengths]
     flops_per_token = step_flops(args, lengths, **method_of(cfg).flops) / max(sum(lengths), 1)
     stated = tokens_per_s is None
     rate = STATED_PEAK_FLOPS * STATED_MFU / flops_per_token if stated else tokens_per_s
     seconds = steps * real_per_step / rate
-    lines.append(f"tokens per step: {tokens * k:,} slots ({k} x {tokens:,}), ~{real_per_step:,.0f} real at "
+    docs = f", at most {cfg.data.rows_per_batch * k:,} documents" if cfg.data.rows_per_batch else ""
+    lines.append(f"tokens per step: {tokens * k:,} slots ({k} x {tokens:,}){docs}, ~{real_per_step:,.0f} real at "
                  f"{100 * summary.packing_efficiency:.1f}% packing; steps: {steps:,}")
     lines.append(f"predicted time: {seconds / 3600:.2f} h at {rate:,.0f} real tokens/s "
                  + (f"(stated: {STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s x MFU {STATED_MFU} / "
