@@ -51,6 +51,7 @@
 #   bash bench/run_gpu.sh tests    every GPU equivalence test (pytest -m gpu; those needing flash-attn-4 skip
 #                                  unless its wheels are on PYTHONPATH), the log in $OUT/gpu-tests.log
 #
+# In a new checkout, bench/make_carry.sh makes everything a call carries (.whl/xz, .whl/liger, .carry/).
 # Needs .carry/ (lengths_shared_mix.txt, hf_peft_bench.py): the GPU machine has no ../shared. With .whl/liger/ (the
 # liger-kernel wheel: `pip download --no-deps liger-kernel -d .whl/liger`, carried too) HF+PEFT+Liger runs beside. Every row goes to
 # bench/results.jsonl (appended) and bench/RESULTS.md (regenerated), both copied to $OUT with the logs; copy them
