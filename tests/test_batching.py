@@ -4,6 +4,7 @@ import contextlib
 import hashlib
 import json
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -157,6 +158,19 @@ def test_rows_per_batch_caps_the_documents_of_every_batch(strategy):
             seen[batch.input_ids[r, :int(n[r])].numpy().astype(np.int32).tobytes()] += 1
         real, slots = real + batch.num_real_tokens, slots + batch.num_slots
     assert seen == docs_of(mix) and s.efficiency(0) == pytest.approx(real / slots)
+
+
+def test_evaluation_batches_are_not_capped_by_rows_per_batch():
+    """rows_per_batch shapes the optimizer's steps; held-out data is batched as many documents as fit, in order (the
+    run's evaluation and `gapless eval` alike), the same batches as without the cap."""
+    rng = np.random.default_rng(6)
+    mix = mixture(synthetic(rng.integers(1, 60, 200), 7))
+    cfg = DataConfig(sources=[SourceConfig(path="x")], batching="padded", max_seq_len=512, tokens_per_batch=2048,
+                     rows_per_batch=1)
+    plan = BatchSampler.for_eval(cfg, mix).plan(0)
+    assert plan == BatchSampler.from_config(replace(cfg, rows_per_batch=None), mix, shuffle=False).plan(0)
+    assert max(len(b) for b in plan) > 1 and [d for b in plan for d in b] == list(range(len(mix)))
+    assert max(len(b) for b in BatchSampler.from_config(cfg, mix).plan(0)) == 1  # training keeps the cap
 
 
 def test_rows_per_batch_unset_keeps_the_plan():

@@ -24,7 +24,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -292,6 +292,13 @@ class BatchSampler:
         return cls(mix, strategy=cfg.batching, max_seq_len=cfg.max_seq_len, tokens_per_batch=cfg.tokens_per_batch,
                    rows_per_batch=cfg.rows_per_batch, pad_to_multiple_of=cfg.pad_to_multiple_of,
                    pack_algorithm=cfg.pack_algorithm, seed=cfg.seed, shuffle=shuffle)
+
+    @classmethod
+    def for_eval(cls, cfg: DataConfig, mix: Mixture) -> BatchSampler:
+        """The sampler of held-out data (the run's evaluation, `gapless eval`): in order, and as many documents a batch
+        as fit: data.rows_per_batch shapes the optimizer's steps (a peer's batch size), and a token's loss does not
+        depend on its batch."""
+        return cls.from_config(replace(cfg, rows_per_batch=None), mix, shuffle=False)
 
     # -- the plan of an epoch: a list of batches, each a list of rows (packed) or documents (padded)
 

@@ -58,7 +58,7 @@ def loss_on(run_dir: Path, cfg, model, paths: list[str], device) -> dict:
     data = dataclasses.replace(cfg.data, sources=[SourceConfig(path=p) for p in paths], eval_sources=[],
                                eval_fraction=0.0)
     mix, _, summary = build_data(data, Path(cfg.data.tokenizer or cfg.model.path))
-    batches = list(BatchSampler.from_config(data, mix, shuffle=False).epoch_batches(0))
+    batches = list(BatchSampler.for_eval(data, mix).epoch_batches(0))
     ev = evaluate(model, batches, device)
     return {"kind": "loss", "data": ", ".join(paths), "loss": ev["eval_loss"], "perplexity": math.exp(ev["eval_loss"]),
             "tokens": ev["eval_tokens"], "documents": len(mix)}

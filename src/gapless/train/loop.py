@@ -335,7 +335,7 @@ def setup(cfg: RunConfig, device: torch.device, timeline: Timeline, progress: Pr
     if parallel.active:  # each rank's rows of the global batches (gapless.data.sharding)
         from gapless.data.sharding import ShardedSampler
         sampler = ShardedSampler.of(sampler, parallel.rank, parallel.world_size)
-    eval_batches = list(BatchSampler.from_config(cfg.data, eval_mix, shuffle=False).epoch_batches(0)) if eval_mix else []
+    eval_batches = list(BatchSampler.for_eval(cfg.data, eval_mix).epoch_batches(0)) if eval_mix else []
     steps_total = total_steps(cfg, sampler.batches_per_epoch())
     cfg, per_epoch_note = resolve_per_epoch(cfg, sampler.batches_per_epoch())
     if per_epoch_note:  # the intervals that run, in config.yaml as the loop reads them
