@@ -332,6 +332,9 @@ def test_unpacked_batch_sizes_are_documents_per_batch(files):
     for packed in (trl, ax):
         cfg = from_dict(RunConfig, convert(packed).config)
         assert (cfg.data.batching, cfg.data.tokens_per_batch, cfg.data.rows_per_batch) == ("packed", 128, None)
+    # a max_length off the padding multiple (8): 2 documents of 63 tokens are padded to 64 each, so 2 x 64 slots
+    odd = from_dict(RunConfig, convert({**trl, "packing": False, "max_length": 63}).config).data
+    assert (odd.tokens_per_batch, odd.rows_per_batch, odd.max_seq_len) == (128, 2, 63)
     # a run of the converted TRL config trains, and keeps the cap in its resume state
     cfg = from_dict(RunConfig, {**conv.config, "model": {**conv.config["model"], "device": "cpu", "dtype": "float32"},
                                 "data": {**conv.config["data"], "cache_dir": str(files["root"] / "cache"),

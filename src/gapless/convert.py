@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gapless.config import ALL_LINEAR, RunConfig
+from gapless.config import ALL_LINEAR, DataConfig, RunConfig
 from gapless.data.chat_templates import TEMPLATES
 from gapless.data.formats import GZIPPED, SUFFIXES
 
@@ -430,8 +430,12 @@ def _batch(c: _Converter, batch_key: str, seq: int, packing: bool, default: int,
     other examples per optimizer step than the peer trains."""
     micro = c.get(batch_key)
     rows = default if micro is None else int(micro)
-    targets = [("data.tokens_per_batch", rows * seq, f"{rows} rows of {seq} slots, packed" if packing else
-                f"{rows} x {seq} slots at most, each document padded to its batch's longest")]
+    # unpacked rows are padded up to a multiple of data.pad_to_multiple_of (8): N documents of a max_length of 2,047
+    # fill N x 2,048 slots, and N x 2,047 would hold N - 1 of them
+    multiple = DataConfig.pad_to_multiple_of
+    width = seq if packing else -(-seq // multiple) * multiple
+    targets = [("data.tokens_per_batch", rows * width, f"{rows} rows of {seq} slots, packed" if packing else
+                f"{rows} x {width} slots at most, each document padded to its batch's longest")]
     if not packing:
         targets.append(("data.rows_per_batch", rows, f"{rows} documents per batch, not as many as fit in the slots"))
     for dotted, value, how in targets:
