@@ -324,6 +324,10 @@ def test_auto_tokens_per_batch_does_not_crash_the_doctor(demo, capsys):
         found["cfg.tokens_per_batch"].detail
     assert found["cfg.tokens_per_batch"].fix == "data.tokens_per_batch: 16,384"
     assert "cfg.memory" in found and "cfg.checkpoint" in found  # the rest still ran
+    # padded batches of at most 2 documents: 2 rows of max_seq_len are all such a batch fills
+    capped = cfg_of(demo, "data.tokens_per_batch=auto", "data.batching=padded", "data.rows_per_batch=2")
+    found = {f.id: f for f in d.diagnose(capped, cpu_env(), probe_disk=False)["findings"]}
+    assert found["cfg.tokens_per_batch"].fix == f"data.tokens_per_batch: {2 * capped.data.max_seq_len:,}"
     on_gpu = cfg_of(demo, "data.tokens_per_batch=auto", "model.dtype=bfloat16", "model.device=auto")
     found = {f.id: f for f in d.diagnose(on_gpu, gpu_env(), probe_disk=False)["findings"]}
     assert found["cfg.tokens_per_batch"].severity == "info" and "predicted to pick ~" in \

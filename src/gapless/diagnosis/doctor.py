@@ -539,7 +539,8 @@ def resolve_auto_tokens(cfg: RunConfig, env: dict, args, gpus: int = 1) -> tuple
                    f"pick ~{pick:,} tokens per micro-batch on {where} (90% of it by the memory model, less 10%); the "
                    "checks below use that number, the run measures its own")
     else:
-        resolved = pick * gpus if pick else max(d.max_seq_len, 16384 // d.max_seq_len * d.max_seq_len) * gpus
+        rows = min(16384 // d.max_seq_len, d.rows_per_batch or 16384)  # a batch of data.rows_per_batch needs no more
+        resolved = pick * gpus if pick else max(d.max_seq_len, rows * d.max_seq_len) * gpus
         cpu_why = NO_GPU if not env["gpu"]["cuda_available"] else "model.device cpu"
         why = (f"does not run under torchrun yet ({gpus} GPUs: each rank would choose its own)" if gpus > 1 else
                f"measures the GPU's memory, and this run is on the CPU ({cpu_why})")
