@@ -456,8 +456,9 @@ def _is_gpu(cfg: RunConfig, env: dict) -> bool:
     return env["gpu"]["cuda_available"] and cfg.model.device != "cpu"
 
 
-def _packed_fix(d) -> str:
-    """The fix that packs, without data.rows_per_batch: packed rows hold many documents each and refuse it."""
+def packing_fix(d) -> str:
+    """The fix that packs `d` (a DataConfig), without data.rows_per_batch: packed rows hold many documents each and
+    refuse it (the doctor's findings, gapless gap's waterfall)."""
     return "data.batching: packed" + ("  data.rows_per_batch: null" if d.rows_per_batch else "")
 
 
@@ -470,7 +471,7 @@ def check_batching(cfg: RunConfig, efficiencies: dict[str, float]) -> list[Findi
              f"{1 - packed:.1%})"
     if cfg.data.batching != "packed" and packed - mine > PADDING_NOISE:
         return _f("cfg.batching", "warning", detail,
-                  f"{1 - mine / packed:.0%} of throughput (compute spent on padding)", _packed_fix(cfg.data))
+                  f"{1 - mine / packed:.0%} of throughput (compute spent on padding)", packing_fix(cfg.data))
     return _f("cfg.batching", "ok", detail)
 
 
@@ -491,7 +492,7 @@ def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> l
     except ValueError as e:
         return _f("cfg.tokens_per_step", "error", f"{gpus} GPUs: {e}", "the run stops before its first step",
                   f"data.tokens_per_batch: {max(1, slots // (gpus * d.max_seq_len)) * gpus * d.max_seq_len:,}"
-                  if d.batching == "packed" else _packed_fix(d))
+                  if d.batching == "packed" else packing_fix(d))
     per_gpu_slots = per_gpu if gpus > 1 else slots
     # padded batches of at most data.rows_per_batch documents fill tokens_per_batch only with long ones: their
     # tokens per step depend on the lengths, the documents do not

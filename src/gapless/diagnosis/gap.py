@@ -307,6 +307,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
     from gapless.data.batching import BatchSampler
     from gapless.data.pipeline import build_data
     from gapless.config import resolve_device
+    from gapless.diagnosis.doctor import packing_fix
     from gapless.train.loop import resolve_auto, total_steps
     from gapless.train.checkpoint_interval import choose_interval
 
@@ -348,8 +349,7 @@ def measure_gap(cfg: RunConfig, out: str | Path, steps: int = DEFAULT_STEPS, log
                "note": f"your documents at 100% MFU: the matmul peak measured here "
                        f"({w.peak_tflops:.3g} TFLOP/s) over the model FLOPs per real token on your lengths "
                        "(gapless/meter/flops.py); no run reaches it"}
-    unset_rows = "  data.rows_per_batch: null" if d.rows_per_batch else ""  # packed rows refuse the cap
-    fix = ("data.batching: packed" + unset_rows if d.batching != "packed" else
+    fix = (packing_fix(d) if d.batching != "packed" else
            "data.pack_algorithm: best_fit" if d.pack_algorithm != "best_fit" else
            "none in the config: packed already; the rest is your documents' lengths (row tails)")
     stages.measured("real lengths", f"data.batching: {d.batching}", (w.tokens_per_step, w.step_s),
