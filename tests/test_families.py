@@ -85,7 +85,8 @@ def test_gemma3_config_forms_read_alike():
     ({"model_type": "gemma3"}, "text_config: a gemma3 checkpoint keeps its decoder's fields here"),
     ({"model_type": "gemma3", "text_config": {"hidden_size": "64"}}, r"text_config\.hidden_size: expected a positive"),
     # a string id would match no token: generation would never stop at it
-    ({"model_type": "llama", "eos_token_id": "</s>"}, r"eos_token_id: expected a token id or a list of them, got '</s>'"),
+    ({"model_type": "llama", "eos_token_id": "</s>"},
+     r"eos_token_id: expected a token id or a list of token ids \(e\.g\. \[128001, 128009\]\), got '</s>'"),
     ({"model_type": "llama", "eos_token_id": [128001, "128009"]}, r"eos_token_id: expected a token id or a list"),
     ({"model_type": "llama", "bos_token_id": [1]}, r"bos_token_id: expected a token id, got \[1\]"),
     ({"model_type": "gemma3", "text_config": {}, "pad_token_id": 1.5}, r"config\.json: pad_token_id: expected"),

@@ -248,14 +248,10 @@ def read_generation_eos(folder: str | Path) -> list[int]:
     path = Path(folder) / GENERATION_CONFIG
     if not path.is_file():
         return []
-    from gapless.model.loading import read_json_object
+    from gapless.model.loading import read_json_object, token_ids
 
-    eos = read_json_object(path).get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"{path}: eos_token_id: expected a token id or a list of token ids (e.g. [128001, 128009]), "
-                         f"got {eos!r}")
-    return ids
+    eos = token_ids(read_json_object(path), "eos_token_id", str(path))  # config.json's check
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
 
 
 def stop_ids(loaded: Loaded) -> set[int]:

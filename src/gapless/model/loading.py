@@ -186,8 +186,10 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
 
     # the special tokens: the decoder's, else the top level's (Gemma 3's image-text configs keep eos_token_id [1, 106],
     # <eos> and <end_of_turn>, there and none in text_config)
-    tokens = {k: _token_ids(f if config.get(k) is not None else _Fields(top, where), k)
-              for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    tokens = {}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        src = f if config.get(k) is not None else _Fields(top, where)
+        tokens[k] = token_ids(src.config, k, src.where, src.prefix)
     biases = set(fam.bias)
     if fam.attention_bias_on and f.flag("attention_bias", False):
         biases |= set(fam.attention_bias_on)
@@ -220,15 +222,18 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
     )
 
 
-def _token_ids(f: _Fields, name: str) -> int | list[int] | None:
-    """A special token's id: null, an integer (a negative pad_token_id, as old LLaMA conversions wrote, reads as no
-    pad), or for eos_token_id a list of them (Llama 3.1's [128001, 128008, 128009]). Anything else, a string id say,
-    would match no token and silently never stop generation: an error naming the field."""
-    value = f.config.get(name)
+def token_ids(config: dict, name: str, where: str, prefix: str = "") -> int | list[int] | None:
+    """A special token's id as config.json or generation_config.json (`where`) holds it: null, an id (a negative
+    pad_token_id, as old LLaMA conversions wrote, reads as no pad), or for eos_token_id a list of them (Llama 3.1's
+    [128001, 128008, 128009]). Anything else, a string id say, would match no token and silently never stop
+    generation: a ValueError naming the file and the field (`prefix`: "text_config." for a nested config)."""
+    value = config.get(name)
     ids = value if isinstance(value, list) and name == "eos_token_id" else [value]
-    if value is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise f.error(name, f"expected a token id{' or a list of them' if name == 'eos_token_id' else ''}, "
-                            f"got {value!r}")
+    if value is not None and any(isinstance(i, bool) or not isinstance(i, int) or (i < 0 and name != "pad_token_id")
+                                 for i in ids):
+        raise ValueError(f"{where}: {prefix}{name}: expected a token id"
+                         f"{' or a list of token ids (e.g. [128001, 128009])' if name == 'eos_token_id' else ''}, "
+                         f"got {value!r}")
     return value
 
 
