@@ -912,16 +912,15 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     findings += check_batching(cfg, eff)
     findings += check_tokens_per_step(cfg, eff[cfg.data.batching], gpus)
     findings += check_accumulation(cfg)
-    sampler = BatchSampler.from_config(cfg.data, mix)
-    steps = cfg.train.steps or math.ceil(cfg.train.epochs * sampler.batches_per_epoch() / cfg.train.grad_accum)
+    steps = cfg.train.steps or math.ceil(cfg.train.epochs * summary.batches_per_epoch / cfg.train.grad_accum)
     facts["steps"] = steps
     ckpt = checkpoint_bytes(cfg) if args else 0
     step_s, source = None, "the model's config.json was not read"
     if args:
         lengths = mix.lengths[mix.epoch_docs(cfg.data.seed, 0)]
-        # the epoch's batches on average, not tokens_per_batch x efficiency: padded batches of at most
-        # data.rows_per_batch short documents fill a small part of tokens_per_batch
-        real_step = float(lengths.sum()) / max(sampler.batches_per_epoch(), 1) * cfg.train.grad_accum
+        # the epoch's batches on average (as the dry-run's), not tokens_per_batch x efficiency: padded batches of at
+        # most data.rows_per_batch short documents fill a small part of tokens_per_batch
+        real_step = summary.train_tokens / max(summary.batches_per_epoch, 1) * cfg.train.grad_accum
         step_s, source = predicted_step_s(cfg, env, real_step,
                                           flops_per_token(args, lengths, method_of(cfg).flops), matmul_weights(args),
                                           gpus, slots_per_step=real_step / max(eff[cfg.data.batching], 1e-9))
