@@ -245,6 +245,15 @@ def made_up_packed_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0
                       for _ in range(rows)], rows, seq_len, pad_id=0)
 
 
+def batch_slots(strategy: str, tokens_per_batch: int, max_seq_len: int, rows_per_batch: int | None = None) -> int:
+    """The slots of a full batch: whole rows of max_seq_len when packed or pad_to_max (pad_to_max: at most
+    rows_per_batch of them), tokens_per_batch for the padded strategies (each batch at most that)."""
+    rows = tokens_per_batch // max_seq_len
+    if strategy == "pad_to_max" and rows_per_batch is not None:
+        rows = min(rows, rows_per_batch)
+    return rows * max_seq_len if strategy in ("packed", "pad_to_max") else tokens_per_batch
+
+
 class BatchSampler:
     """An endless, seeded, resumable stream of Batches over a Mixture.
 
@@ -271,16 +280,15 @@ class BatchSampler:
         self.pack_algorithm, self.seed, self.shuffle = pack_algorithm, seed, shuffle
         self.pad_id = mix.pad_id if pad_id is None else pad_id
         # rows of max_seq_len slots per batch (packed, pad_to_max)
-        self.rows = tokens_per_batch // max_seq_len
+        fit = tokens_per_batch // max_seq_len
+        self.rows = batch_slots(strategy, tokens_per_batch, max_seq_len, rows_per_batch) // max_seq_len
         if strategy in ("packed", "pad_to_max") and tokens_per_batch % max_seq_len and rows_per_batch is None:
             warnings.warn(f"tokens_per_batch {tokens_per_batch} is not a multiple of max_seq_len {max_seq_len}: "
                           f"batches hold {self.rows * max_seq_len} slots", stacklevel=2)
-        if strategy == "pad_to_max" and rows_per_batch is not None:
-            if rows_per_batch > self.rows:
-                warnings.warn(f"rows_per_batch {rows_per_batch} is more than the {self.rows} rows of max_seq_len "
-                              f"{max_seq_len} that tokens_per_batch {tokens_per_batch} holds: pad_to_max batches "
-                              f"hold {self.rows}", stacklevel=2)
-            self.rows = min(self.rows, rows_per_batch)
+        if strategy == "pad_to_max" and rows_per_batch is not None and rows_per_batch > fit:
+            warnings.warn(f"rows_per_batch {rows_per_batch} is more than the {fit} rows of max_seq_len "
+                          f"{max_seq_len} that tokens_per_batch {tokens_per_batch} holds: pad_to_max batches "
+                          f"hold {fit}", stacklevel=2)
         self.epoch, self.position = 0, 0
         self._plan_epoch, self._plan = -1, []
 

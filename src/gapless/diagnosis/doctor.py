@@ -479,13 +479,11 @@ def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> l
     """data.tokens_per_batch is the GLOBAL micro-batch: under torchrun its packed rows are dealt out over the GPUs
     (gapless.data.sharding.rank_tokens), so the global tokens per optimizer step = per-GPU slots x accumulation x
     GPUs = tokens_per_batch x accumulation, the same at any GPU count (and the same gradient, train/parallel.py)."""
+    from gapless.data.batching import batch_slots
     from gapless.data.sharding import rank_tokens
 
     d = cfg.data
-    rows = d.tokens_per_batch // d.max_seq_len
-    if d.batching == "pad_to_max" and d.rows_per_batch:
-        rows = min(rows, d.rows_per_batch)
-    slots = rows * d.max_seq_len if d.batching in ("packed", "pad_to_max") else d.tokens_per_batch
+    slots = batch_slots(d.batching, d.tokens_per_batch, d.max_seq_len, d.rows_per_batch)
     k = cfg.train.grad_accum
     try:
         per_gpu = rank_tokens(d.batching, d.tokens_per_batch, d.max_seq_len, gpus)
@@ -503,8 +501,8 @@ def check_tokens_per_step(cfg: RunConfig, efficiency: float, gpus: int = 1) -> l
     detail = (f"global batch = {per_gpu_slots:,} slots per GPU x {k} accumulation x {gpus} GPU(s) = {per_step} "
               "per optimizer step" + (f" (data.tokens_per_batch {d.tokens_per_batch:,} is the global micro-batch, "
                                       f"split over the {gpus} GPUs)" if gpus > 1 else ""))
-    if d.batching in ("packed", "pad_to_max") and d.tokens_per_batch % d.max_seq_len and rows == \
-            d.tokens_per_batch // d.max_seq_len:
+    if d.batching in ("packed", "pad_to_max") and d.tokens_per_batch % d.max_seq_len and \
+            slots == d.tokens_per_batch // d.max_seq_len * d.max_seq_len:  # (no rows_per_batch below the budget)
         lost = 1 - slots / d.tokens_per_batch
         return _f("cfg.tokens_per_step", "warning", detail + f"; tokens_per_batch is not a multiple of max_seq_len "
                   f"{d.max_seq_len:,}: batches hold {slots:,} slots", f"{lost:.0%} of the batch budget unused",

@@ -232,11 +232,9 @@ class Workload:
         packed or pad_to_max, at most rows_per_batch of them) x accumulation x packing efficiency; padded batches
         capped at rows_per_batch documents hold at most that many of the mean length (2 documents of 100 tokens in
         2 x 2,048 slots are 200 real tokens, not 4,096 x efficiency)."""
-        rows = tokens_per_batch // self.max_seq_len
-        if self.batching == "pad_to_max" and self.rows_per_batch:
-            rows = min(rows, self.rows_per_batch)
-        slots = rows * self.max_seq_len if self.batching in ("packed", "pad_to_max") else tokens_per_batch
-        real = slots * self.efficiency
+        from gapless.data.batching import batch_slots
+
+        real = batch_slots(self.batching, tokens_per_batch, self.max_seq_len, self.rows_per_batch) * self.efficiency
         if self.batching in ("padded", "length_grouped") and self.rows_per_batch:
             real = min(real, self.rows_per_batch * self.doc_tokens)
         return real * self.micro_batches
