@@ -201,7 +201,7 @@ def test_missing_config_and_missing_weights(tmp_path):
     ({"rope_scaling": {"type": "linear"}}, r"rope_scaling\.factor: required field is missing"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"rope_parameters\.low_freq_factor: required"),
     ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor: 0\.5: partial RoPE is not supported"),
-    ({"quantization_config": {"quant_method": "bitsandbytes"}}, r"quantization_config: pre-quantized"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, r"quantization_config: quant_method .awq. checkpoints are not supported"),
 ])
 def test_config_errors_name_the_file_and_field(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, **change}))

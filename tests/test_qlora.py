@@ -11,7 +11,7 @@ from gapless.config import LoraConfig
 from gapless.kernels.nf4 import quantize_nf4
 from gapless.model.export import save_pretrained
 from gapless.model.lora import LoraLinear, apply_lora, lora_state_dict, merge_lora, save_adapter
-from gapless.model.qlora import QLoraLinear, apply_qlora, qlora_load_hook, to_qlora
+from gapless.model.qlora import QLoraLinear, apply_qlora, QloraLoadHook, to_qlora
 
 # float32 on the CPU: the QLoRA layer runs the same matmuls on the same dequantised weight as the reference, so
 # forward and gradients agree to float32 rounding of a different summation order (the bias, dx's two terms)
@@ -151,7 +151,7 @@ def test_meta_model_is_filled_by_the_load_hook(hf_checkpoint):
     apply_qlora(meta, LoraConfig(r=4, alpha=8), torch.float32)
     layer = meta.model.layers[1].mlp.down_proj
     assert layer.weight_packed.is_meta
-    hook = qlora_load_hook(meta)
+    hook = QloraLoadHook(meta)
     with safe_open(folder / "model.safetensors", "pt") as st:
         consumed = {k for k in st.keys() if hook(k, st.get_tensor(k))}
     assert len(consumed) == 2 * 7 and not hook("model.norm.weight", torch.ones(64))
@@ -170,7 +170,7 @@ def test_load_hook_quantises_what_the_run_quantised(hf_checkpoint):
     for name, dtype, hook_dtype in (("run", torch.bfloat16, None), ("float32", torch.float32, torch.bfloat16),
                                     ("unrounded", torch.float32, None)):
         meta = apply_qlora(gapless.load_model(folder).to("meta"), LoraConfig(r=4, alpha=8), dtype)
-        hook = qlora_load_hook(meta, hook_dtype)
+        hook = QloraLoadHook(meta, hook_dtype)
         with safe_open(folder / "model.safetensors", "pt") as st:
             for k in st.keys():
                 hook(k, st.get_tensor(k).to(dtype))

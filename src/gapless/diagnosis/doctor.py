@@ -696,6 +696,32 @@ def check_precision(cfg: RunConfig, env: dict) -> list[Finding]:
     return _f("cfg.precision", "ok", f"model.dtype {dtype}")
 
 
+def check_quantised_base(cfg: RunConfig) -> list[Finding]:
+    """A model.path that bitsandbytes saved in 4 bits (gapless.model.prequantized): what each method makes of it."""
+    from gapless.model.loading import read_config
+
+    try:
+        q = read_config(cfg.model.path).get("quantization_config")
+    except ValueError:
+        return []  # the run itself names what is wrong with model.path
+    if not isinstance(q, dict) or not q.get("load_in_4bit", q.get("_load_in_4bit")):
+        return []
+    kind = q.get("bnb_4bit_quant_type", "fp4")
+    held = f"model.path holds bitsandbytes {kind} 4-bit weights (config.json's quantization_config)"
+    if cfg.method == "qlora" and kind == "nf4":
+        return _f("cfg.quantised_base", "ok", f"{held}: QLoRA trains on its NF4 codes as stored")
+    if cfg.method == "qlora":
+        return _f("cfg.quantised_base", "warning", f"{held}: QLoRA dequantises them and quantises them again as NF4",
+                  "the base the run trains on differs slightly from the file's (a second rounding)",
+                  "model.path: the unquantised checkpoint, or one saved with bnb_4bit_quant_type nf4")
+    dtype = cfg.model.dtype
+    return _f("cfg.quantised_base", "warning", f"{held}: method {cfg.method} dequantises them to {dtype} and "
+              + ("trains the LoRA adapter on that base" if cfg.method == "lora" else
+                 "trains every weight from there: the quantisation error is in the starting point"),
+              f"the base's memory of a {dtype} checkpoint, not of a 4-bit one",
+              "method: qlora (keeps the 4-bit weights as stored), or model.path: the unquantised checkpoint")
+
+
 # the micro-batch the H200 MFU figures were measured at (gapless.diagnosis.plan.H200_RUNS): a batch finder that
 # still gets this many tokens per micro-batch without checkpointing keeps the GPU as busy
 FULL_MICRO_BATCH = 16_384
@@ -802,7 +828,7 @@ def quick_checks(cfg: RunConfig, env: dict | None = None) -> list[Finding]:
     cfg, found = resolve_auto_tokens(cfg, env, args, gpus)
     out += found + check_tokens_per_step(cfg, 1.0, gpus) + check_accumulation(cfg) + check_logging(cfg) + \
         check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + \
-        check_compile(cfg, env) + check_lora_dropout(cfg, env)
+        check_compile(cfg, env) + check_lora_dropout(cfg, env) + check_quantised_base(cfg)
     return out
 
 
@@ -929,7 +955,7 @@ def diagnose(cfg: RunConfig | None, env: dict | None = None, *, probe_disk: bool
     findings += check_logging(cfg)
     findings += check_memory(cfg, env, args, gpus)
     findings += check_precision(cfg, env) + check_activation_checkpointing(cfg, env, args, gpus, auto) + \
-        check_compile(cfg, env) + check_lora_dropout(cfg, env)
+        check_compile(cfg, env) + check_lora_dropout(cfg, env) + check_quantised_base(cfg)
     return {"findings": findings, "facts": facts}
 
 

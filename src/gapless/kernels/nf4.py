@@ -158,10 +158,15 @@ def quantize_nf4(w: Tensor) -> NF4Weight:
     scaled, absmax = _blockwise(w.reshape(-1).float(), BLOCKSIZE)  # [n], [n / 64]
     q = _nearest_nf4(scaled)
     packed = (q[0::2] << 4) | q[1::2]  # [n / 2]: even element high nibble, odd element low (bitsandbytes' order)
+    return NF4Weight(packed, *double_quantize(absmax), tuple(w.shape), w.dtype)
+
+
+def double_quantize(absmax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The second level of the module docstring for the float32 block scales `absmax` [n / 64]: (absmax_q uint8
+    [n / 64], absmax_scale fp32 [ceil(n / 64 / 256)], offset fp32 [])."""
     offset = absmax.mean()
     scaled_absmax, absmax_scale = _blockwise(absmax - offset, SCALE_BLOCKSIZE)  # [n / 64], [n / 64 / 256]
-    absmax_q = _dynamic_codes(scaled_absmax, nf4_codes(w.device)[1])
-    return NF4Weight(packed, absmax_q, absmax_scale, offset, tuple(w.shape), w.dtype)
+    return _dynamic_codes(scaled_absmax, nf4_codes(absmax.device)[1]), absmax_scale, offset
 
 
 def dequantize_nf4_reference(packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, offset: Tensor,

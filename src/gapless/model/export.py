@@ -1,9 +1,9 @@
 """A model -> an HF checkpoint folder that transformers.AutoModelForCausalLM.from_pretrained loads.
 
-Used after full fine-tuning and after `merge_lora`. The config is the source's config.json with
-only the dtype updated, weights are safetensors (sharded with model.safetensors.index.json above
-`max_shard_bytes`, named as transformers names them), and generation_config.json plus the
-tokenizer files are copied from the source folder when it has them.
+Used after full fine-tuning and after `merge_lora`. The config is the source's config.json with only the dtype
+updated (and a 4-bit source's quantization_config dropped: the weights written are dequantised), weights are
+safetensors (sharded with model.safetensors.index.json above `max_shard_bytes`, named as transformers names them),
+and generation_config.json plus the tokenizer files are copied from the source folder when it has them.
 
 Final outputs are written atomically (`atomic_folder`): into a temporary folder beside the output, then one rename
 when the output folder is new; into an existing folder, its config file is removed first and moved back in last,
@@ -25,6 +25,8 @@ from torch import nn
 
 from gapless.model.families import family
 from gapless.model.loading import decoder_headers, read_config, read_weight_headers
+from gapless.model.prequantized import StoredParts, fold
+from gapless.model.prequantized import read as read_stored
 
 # transformers 4.x defaulted to 5 GB shards (5.x to 50 GB); 5 GB files suit hub uploads and older readers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -60,10 +62,13 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
         # through untouched
         if source is None:
             raise ValueError("save_pretrained: pass source_dir (the base model's folder) for its vision tower")
-        headers = read_weight_headers(source)
+        headers, stored = fold(read_weight_headers(source))
         names = {ours: value[2] for ours, value in decoder_headers(headers, model.args).items()}
         state = {names[k]: v for k, v in state.items()}
-        state.update(_tensors_outside(headers, set(names.values())))
+        state.update(_tensors_outside(headers, stored, set(names.values())))
+    # the weights written are plain tensors: a 4-bit source's quantization_config (gapless.model.prequantized) would
+    # make transformers look for its quant states
+    config.pop("quantization_config", None)
     dtype_name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = dtype_name  # transformers 4.x reads this key
     config["dtype"] = dtype_name  # and 5.x this one
@@ -95,14 +100,16 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, source_dir: str | Pat
     return out
 
 
-def _tensors_outside(headers: dict[str, tuple[Path, tuple[int, ...]]], decoder: set[str]) -> dict:
-    """The tensors of a checkpoint (read_weight_headers) whose keys are not in `decoder`, as stored."""
-    tensors = {}
-    for key, (path, _) in headers.items():
-        if key not in decoder:
-            with safe_open(path, framework="pt") as st:
-                tensors[key] = st.get_tensor(key)
-    return tensors
+def _tensors_outside(headers: dict[str, tuple[Path, tuple[int, ...]]], stored: dict[str, StoredParts],
+                     decoder: set[str]) -> dict:
+    """The tensors of a checkpoint (prequantized.fold's headers) whose keys are not in `decoder`, as stored; a 4-bit
+    one dequantised to the dtype it was quantised from."""
+    def get(path: Path, key: str):
+        with safe_open(path, framework="pt") as st:
+            return st.get_tensor(key)
+
+    return {key: read_stored(key, stored[key], get).dequantize() if key in stored else get(path, key)
+            for key, (path, _) in headers.items() if key not in decoder}
 
 
 @contextmanager

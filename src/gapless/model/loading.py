@@ -9,7 +9,8 @@ page-locked staging buffers and asynchronous copies to the GPU, _StagedReader; o
 map), converted to the target dtype and handed over in
 checkpoint order, one at a time, to be assigned or quantised, so there is never a second full copy of the
 weights in memory: at most LOAD_INFLIGHT_BYTES of tensors are read ahead of the one being assigned.
-Pickle checkpoints (*.bin, *.pt) are refused, never unpickled: unpickling can run arbitrary code.
+Pickle checkpoints (*.bin, *.pt) are refused, never unpickled: unpickling can run arbitrary code. A checkpoint
+that bitsandbytes saved in 4 bits (quantization_config; "-bnb-4bit" folders) loads too: gapless.model.prequantized.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from torch import nn
 
 from gapless.model.decoder import ROPE_TYPES, CausalLM, ModelArgs, RopeScaling
 from gapless.model.families import FAMILIES, Family, family
+from gapless.model.prequantized import StoredNF4, check_quantization_config, fold
+from gapless.model.prequantized import read as read_stored
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -133,9 +136,7 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         fam = family(model_type)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    if config.get("quantization_config"):
-        raise f.error("quantization_config", "pre-quantized checkpoints are not supported; load the "
-                                             "unquantized (bf16/fp16/fp32) base model instead")
+    check_quantization_config(config, where)  # bitsandbytes' 4-bit weights are read (gapless.model.prequantized)
     if fam.text_config:
         text = config.get("text_config")
         if not isinstance(text, dict):
@@ -469,7 +470,8 @@ def build(path: str | Path, attn_backend: str = "sdpa") -> CausalLM:
     folder = Path(path)
     config = read_config(folder)
     args = model_args_from_config(config, where=str(folder / "config.json"))
-    headers = decoder_headers(read_weight_headers(folder), args)  # our key names (Gemma 3: its text part)
+    # our key names (Gemma 3: its text part); a 4-bit weight under its own name and shape (prequantized.fold)
+    headers = decoder_headers(fold(read_weight_headers(folder))[0], args)
     with torch.device("meta"):  # parameters without storage: nothing is allocated until load_weights assigns
         model = CausalLM(args, attn_backend=attn_backend)
     expected = model.checkpoint_shapes
@@ -491,7 +493,9 @@ def build(path: str | Path, attn_backend: str = "sdpa") -> CausalLM:
 
 
 # hook(key, tensor) -> True when it took the tensor (QLoRA quantises it into its layer's storage); else the
-# tensor is assigned to the parameter or buffer of that name
+# tensor is assigned to the parameter or buffer of that name. A 4-bit weight of a bitsandbytes checkpoint (StoredNF4)
+# is offered as it is to the hook's `stored(key, weight) -> bool` where it has one (QLoRA's: it trains on the
+# file's codes), else dequantised to the load's dtype and handled as any tensor
 LoadHook = Callable[[str, torch.Tensor], bool]
 
 
@@ -608,7 +612,8 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
     memory map. `threads` threads read ahead of the consumer, holding at most `inflight_bytes`
     (or one tensor larger than that); threads <= 1 reads each tensor when it is asked for, in this thread."""
     device = torch.device(device)
-    headers = decoder_headers(read_weight_headers(model.source_dir), model.args)
+    headers, stored = fold(read_weight_headers(model.source_dir))
+    headers = decoder_headers(headers, model.args)
     keys = list(model.checkpoint_shapes)
     gone = [key for key in keys if key not in headers]
     if gone:  # `build` found them: the folder was rewritten since
@@ -616,7 +621,8 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
                          f"[{_format_keys(gone)}]")
     with contextlib.ExitStack() as stack:
         handles = {}
-        for file in dict.fromkeys(headers[key][0] for key in keys):  # each shard opened once, shared by the threads
+        files = [headers[key][0] for key in keys] + [path for parts in stored.values() for path, _ in parts.files.values()]
+        for file in dict.fromkeys(files):  # each shard opened once, shared by the threads
             try:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt",
                                                               device=_safe_open_device(device)))
@@ -631,17 +637,22 @@ def checkpoint_tensors(model: CausalLM, device: torch.device | str = "cpu", dtyp
                 stack.callback(os.close, fd)
                 opened[file] = (fd, tensor_extents(file))
 
-        def read(key: str) -> torch.Tensor:
-            file, _, key_in_file = headers[key]
+        def read_file(file: Path, key_in_file: str, cast: torch.dtype | None = None) -> torch.Tensor:
             fd, extents = opened.get(file, (None, {}))
             extent = extents.get(key_in_file)
             if extent is None or extent[0] not in _STAGED_DTYPES:
-                return _read_tensor(handles[file], file, key_in_file, device, dtype)
+                return _read_tensor(handles[file], file, key_in_file, device, cast)
             try:
                 tensor = reader.read(fd, file, key_in_file, extent)
             except OSError as e:
                 raise ValueError(f"{file}: tensor {key_in_file} could not be read: {e}") from None
-            return tensor.to(dtype=dtype or tensor.dtype)
+            return tensor.to(dtype=cast or tensor.dtype)
+
+        def read(key: str) -> torch.Tensor | StoredNF4:
+            file, _, key_in_file = headers[key]
+            if key_in_file in stored:  # a 4-bit weight: its parts as stored, for load_weights to dequantise or keep
+                return read_stored(key_in_file, stored[key_in_file], read_file)
+            return read_file(file, key_in_file, dtype)
 
         if threads <= 1:
             for key in keys:
@@ -678,12 +689,17 @@ def load_weights(model: CausalLM, dtype: torch.dtype | str | None = None, device
     weights for a benchmark; default the folder `build` read, by `threads` reading threads: checkpoint_tensors).
 
     Each tensor is converted to `dtype` on `device`, offered to `hook`, else assigned in place of the meta tensor
-    of that name (keeping its requires_grad), one at a time in the checkpoint's order. Peak extra memory is one
+    of that name (keeping its requires_grad), one at a time in the checkpoint's order; a bitsandbytes 4-bit weight
+    is kept as stored where the hook takes it, else dequantised (LoadHook). Peak extra memory is one
     tensor plus the read-ahead (LOAD_INFLIGHT_BYTES), never a model. Tensors the checkpoint does not hold (LoRA's
     A and B) stay on the meta device for the method to initialise.
     """
     dtype = resolve_dtype(dtype, model.config_dict)
     for key, tensor in checkpoint_tensors(model, device, dtype, threads, staged=staged) if tensors is None else tensors:
+        if isinstance(tensor, StoredNF4):
+            if hasattr(hook, "stored") and hook.stored(key, tensor):
+                continue
+            tensor = tensor.dequantize(dtype)
         tensor = tensor.to(device=device, dtype=dtype)
         if hook is not None and hook(key, tensor):
             continue

@@ -26,7 +26,7 @@ from gapless.model.export import save_pretrained
 from gapless.model.loading import DTYPES, LoadHook, build, load_model, load_weights
 from gapless.model.lora import (LoraLinear, apply_lora, concat_lora_weights, load_adapter, load_adapter_weights,
                                 read_adapter_config, save_adapter)
-from gapless.model.qlora import apply_qlora, qlora_load_hook, to_qlora
+from gapless.model.qlora import apply_qlora, QloraLoadHook, to_qlora
 
 
 class Method:
@@ -132,7 +132,7 @@ class Qlora(Lora):
     def transform(self, model: nn.Module) -> nn.Module:
         model = to_qlora(super().transform(model), self.compute_dtype, self.quantise_from)
         # the base weights of the NF4 layers are consumed (quantised) by the hook as they are loaded
-        self.load_hook = qlora_load_hook(model)
+        self.load_hook = QloraLoadHook(model, self.quantise_from)
         return model
 
     def load_final(self, final: Path, base_model: Path, dtype: torch.dtype, device: torch.device | str, *,
@@ -152,7 +152,7 @@ class Qlora(Lora):
         model = build(base_model)
         cfg = read_adapter_config(final, model)
         model = apply_qlora(model, cfg, dtype)
-        model = load_weights(model, dtype, device, hook=qlora_load_hook(model, self.quantise_from))
+        model = load_weights(model, dtype, device, hook=QloraLoadHook(model, self.quantise_from))
         model = load_adapter_weights(self.initialise(model, torch.device(device)), final, cfg)
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "a tensor was not loaded"
         return model.eval(), f"adapter {final} on {base_model} as NF4, as the run trained it ({dtype_name} compute)"

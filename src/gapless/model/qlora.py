@@ -18,7 +18,8 @@ runs grouped here: an NF4 base has no rows to append A's to), with one A matmul 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from gapless.config import CONCAT_KERNELS, LoraConfig
 from gapless.kernels.nf4 import BLOCKSIZE, SCALE_BLOCKSIZE, NF4Weight, dequantize_nf4, nf4_codes, quantize_nf4
 from gapless.model.lora import LoraLinear, _lora_layers, _set_submodule, apply_lora
+from gapless.model.prequantized import StoredNF4
 
 
 # x W^T with W dequantised from NF4, and its input gradient dy W with W dequantised again: two custom operators, opaque
@@ -114,8 +116,13 @@ class QLoraLinear(LoraLinear):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"QLoRA: weight of shape {list(weight.shape)} for a layer of "
                              f"[{self.out_features}, {self.in_features}]")
-        q = quantize_nf4(weight)
-        self.nf4_code, self.nf4_scale_code = nf4_codes(weight.device)
+        self.load_nf4_(quantize_nf4(weight))
+
+    @torch.no_grad()
+    def load_nf4_(self, q: NF4Weight) -> None:
+        """Take the quantised weight `q` as this layer's storage (on q's device)."""
+        assert tuple(q.shape) == (self.out_features, self.in_features), (q.shape, self)
+        self.nf4_code, self.nf4_scale_code = nf4_codes(q.packed.device)
         self.weight_packed, self.weight_absmax_q = q.packed, q.absmax_q
         self.weight_absmax_scale, self.weight_offset = q.absmax_scale, q.offset
 
@@ -167,7 +174,7 @@ def apply_qlora(model: nn.Module, cfg: LoraConfig, compute_dtype: torch.dtype, *
 
 def to_qlora(model: nn.Module, compute_dtype: torch.dtype, quantise_from: torch.dtype | None = None) -> nn.Module:
     """Every LoraLinear of `model` swapped for a QLoraLinear. On a model built on the meta device the NF4 buffers stay
-    meta until `qlora_load_hook` quantises the checkpoint's weights into them; on a loaded model each weight is
+    meta until `QloraLoadHook` quantises the checkpoint's weights into them; on a loaded model each weight is
     quantised now, layer by layer (its bf16 copy freed as the layer is swapped). `quantise_from`: each weight is
     rounded to it before quantising, as the hook's, so that a model loaded in another dtype than its run's (float32,
     to merge a bfloat16 run) holds the NF4 codes the run trained on (None: as loaded)."""
@@ -176,12 +183,15 @@ def to_qlora(model: nn.Module, compute_dtype: torch.dtype, quantise_from: torch.
     return model
 
 
-def qlora_load_hook(model: nn.Module, quantise_from: torch.dtype | None = None) -> Callable[[str, Tensor], bool]:
+class QloraLoadHook:
     """hook(key, tensor) for streaming a checkpoint into a QLoRA model (gapless.model.loading.load_weights, which
     hands each tensor over already on the target device): a QLoRA layer's base weight is quantised where it is into
     the layer's NF4 buffers and consumed (True); any other tensor is left to the loader (False). `quantise_from`:
     the weight is rounded to it before quantising, so that a model loaded in another dtype than its run's (float32
     to evaluate a bfloat16 run on the CPU) holds the NF4 codes the run trained on (None: as handed over).
+    `stored(key, weight)`: a bitsandbytes 4-bit checkpoint's weight (gapless.model.prequantized) becomes the layer's
+    storage as the file holds it, the same codes whatever the load's dtype; one that NF4 storage cannot hold
+    (FP4, another block size) is refused (False), and the loader hands it back dequantised, to be quantised.
 
     Peak memory while loading Llama-3.1-8B in bf16 on a GPU: host, nothing beyond the memory-mapped shards (the
     reading threads put each tensor on the GPU: loading.checkpoint_tensors); GPU, the model as it fills (5.3 GiB at
@@ -189,13 +199,32 @@ def qlora_load_hook(model: nn.Module, quantise_from: torch.dtype | None = None) 
     (2 B bf16 + ~16 B of quantize_nf4's float32 temporaries) = ~1.1 GB, plus the tensors read ahead of it (at most
     loading.LOAD_INFLIGHT_BYTES, 1 GiB; threads=1 reads none ahead). Never a bf16 copy of the model. The hook runs
     in the loading thread, one tensor at a time, in the checkpoint's order."""
-    layers = {name + ".weight": layer for name, layer in model.named_modules() if isinstance(layer, QLoraLinear)}
 
-    def hook(key: str, tensor: Tensor) -> bool:
-        layer = layers.get(key)
+    def __init__(self, model: nn.Module, quantise_from: torch.dtype | None = None):
+        self.layers = {name + ".weight": layer for name, layer in model.named_modules()
+                       if isinstance(layer, QLoraLinear)}
+        self.quantise_from = quantise_from
+        self.requantised: list[str] = []  # 4-bit weights that NF4 storage could not take as stored
+
+    def __call__(self, key: str, tensor: Tensor) -> bool:
+        layer = self.layers.get(key)
         if layer is None:
             return False
-        layer.quantize_(tensor if quantise_from is None else tensor.to(quantise_from))
+        layer.quantize_(tensor if self.quantise_from is None else tensor.to(self.quantise_from))
         return True
 
-    return hook
+    def stored(self, key: str, weight: StoredNF4) -> bool:
+        layer = self.layers.get(key)
+        if layer is None:
+            return False
+        q = weight.nf4()
+        if q is None:
+            if not self.requantised:
+                warnings.warn(f"QLoRA: {key} and the checkpoint's other {weight.quant_type} weights of block size "
+                              f"{weight.blocksize} are dequantised and quantised again as NF4 of block size "
+                              f"{BLOCKSIZE} (gapless' storage): the run trains on slightly different base weights "
+                              "than the file holds", stacklevel=2)
+            self.requantised.append(key)
+            return False
+        layer.load_nf4_(q)
+        return True

@@ -8,10 +8,9 @@ import torch
 
 from gapless.config import RunConfig, from_dict, read_yaml
 from gapless.model.export import copy_tokenizer_files, save_pretrained
-from gapless.model.loading import load_model, resolve_dtype
-from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, save_adapter
+from gapless.model.loading import build, load_model, load_weights, resolve_dtype
+from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, read_adapter_config, save_adapter
 from gapless.model.method import Qlora, method_of
-from gapless.model.qlora import to_qlora
 from gapless.train.checkpoint import latest_complete, load
 
 
@@ -66,19 +65,20 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
         copy_tokenizer_files(tokenizer_dir, out)
         return out
     # merging happens in float32 so the bf16 rounding happens once, at the end
-    model = load_model(base_path, dtype=torch.float32 if merge else None)
-    if adapter_dir is not None:
-        model, lora_cfg = load_adapter(model, adapter_dir)
-        if cfg is not None and cfg.method == "qlora":
-            # trained on the NF4 base: merged into its dequantised weights, in the dtype loaded (float32 to merge),
-            # quantised from the values the run quantised (its model.dtype's)
-            to_qlora(model, model.model.embed_tokens.weight.dtype, resolve_dtype(cfg.model.dtype, model.config_dict))
+    if adapter_dir is not None and (cfg is None or cfg.method != "qlora"):
+        model, lora_cfg = load_adapter(load_model(base_path, dtype=torch.float32), adapter_dir)
+    elif adapter_dir is not None:
+        # trained on the NF4 base: merged into its dequantised weights in float32, the NF4 codes the run trained on
+        # (quantised from its model.dtype's values, or a 4-bit checkpoint's as stored: Qlora.load_final)
+        model, _ = method_of(cfg).load_final(adapter_dir, base_path, torch.float32, "cpu")
+        lora_cfg = read_adapter_config(adapter_dir, build(base_path))
     else:
         tensors, _ = load(checkpoint)
         method = method_of(cfg)
-        if isinstance(method, Qlora):  # dequantise to the dtype loaded (float32 to merge), not the run's
-            method.compute_dtype = model.model.embed_tokens.weight.dtype
-        model = method.transform(model)
+        if isinstance(method, Qlora):  # dequantise to float32, not the run's dtype; quantised as the run did
+            method.compute_dtype = torch.float32
+        model = method.transform(build(base_path))  # as the run assembled it: the weights stream through its hook
+        model = method.initialise(load_weights(model, torch.float32, "cpu", hook=method.load_hook), torch.device("cpu"))
         method.load_checkpoint_state(model, tensors["model"], str(checkpoint))
         lora_cfg = cfg.lora
         if cfg.method == "full":  # every weight trained: the checkpoint's model is the export, an HF folder
