@@ -651,3 +651,39 @@ def test_axolotl_dataset_folder_of_splits_reads_its_split(files, tmp_path):
     with pytest.raises(ValueError, match=r"split: validation: no 'validation' split in .*ds \(its files name the "
                                          r"splits: train, test\)"):
         convert({**raw, "datasets": [{"path": str(folder), "type": "alpaca", "split": "validation"}]})
+
+
+# axolotl-ai-cloud/axolotl examples/llama-3/lora-1b-kernels.yml, trimmed: Axolotl's Triton LoRA kernels (and
+# examples/qwen3/8b-lora-fused-attn.yaml's fused q/k norm + RoPE kernel)
+AXOLOTL_LORA_KERNELS = """
+base_model: {model}
+datasets:
+  - path: {alpaca}
+    type: alpaca
+output_dir: {out}
+adapter: lora
+sequence_len: 64
+sample_packing: true
+lora_r: 16
+lora_alpha: 32
+lora_target_modules: [gate_proj, down_proj, up_proj, q_proj, v_proj, k_proj, o_proj]
+lora_mlp_kernel: true
+lora_qkv_kernel: true
+lora_o_kernel: true
+fused_attn_kernel: true
+micro_batch_size: 2
+num_epochs: 1
+optimizer: adamw_8bit
+lr_scheduler: cosine
+learning_rate: 0.0002
+warmup_steps: 10
+"""
+
+
+def test_axolotl_lora_kernels_are_kernel_choices(files):
+    """lora_mlp_kernel / lora_qkv_kernel / lora_o_kernel (Axolotl's fused LoRA autograd functions) and
+    fused_attn_kernel compute the same function as the plain layers: they were refused as having no equivalent."""
+    conv = convert(yaml.safe_load(AXOLOTL_LORA_KERNELS.format(**files, out="x")))
+    for key in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel"):
+        assert any(s == f"{key}: true" and "a kernel choice" in t for s, t in conv.applied), conv.format()
+    assert from_dict(RunConfig, conv.config).method == "lora"

@@ -359,13 +359,15 @@ def _harmless(c: _Converter) -> None:
         c.note("torch_compile_mode", "gapless compiles each decoder layer its own way (the same sums)")
 
 
-# Axolotl's and TRL's switches for fused kernels (Liger's, Cut Cross-Entropy, flash-attn's and Unsloth's fused
-# layers, other attention kernels): on or off, the model computes the same function, as gapless's kernels do
+# Axolotl's and TRL's switches for fused kernels (Liger's, Cut Cross-Entropy, flash-attn's, Unsloth's and Axolotl's
+# own fused LoRA layers, other attention kernels): on or off, the model computes the same function, as gapless's
+# kernels do
 KERNEL_SWITCHES = ("use_liger_kernel", "liger_kernel_config", "liger_rope", "liger_rms_norm", "liger_glu_activation",
                    "liger_swiglu", "liger_layer_norm", "liger_cross_entropy", "liger_fused_linear_cross_entropy",
                    "cut_cross_entropy", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
                    "flash_attn_fuse_mlp", "xformers_attention", "eager_attention", "unsloth_cross_entropy_loss",
-                   "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope")
+                   "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope",
+                   "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel")
 # switches that change nothing when off (the peers' default) and what trains when on: why gapless refuses them on
 OFF_SWITCHES = {
     "s2_attention": "shifted sparse attention (LongLoRA) attends differently; gapless attends to the whole document",
