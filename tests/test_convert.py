@@ -687,3 +687,44 @@ def test_axolotl_lora_kernels_are_kernel_choices(files):
     for key in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel"):
         assert any(s == f"{key}: true" and "a kernel choice" in t for s, t in conv.applied), conv.format()
     assert from_dict(RunConfig, conv.config).method == "lora"
+
+
+# huggingface/open-r1 recipes/OlympicCoder-7B/sft/config_v00.00.yaml, trimmed (and use_flash_attention_2 of
+# huggingface/alignment-handbook recipes/gemma-7b/sft/config_full_ultrachat.yaml): older TRL names of kernel switches
+OPEN_R1_OLYMPIC_CODER = """
+model_name_or_path: {model}
+model_revision: main
+torch_dtype: bfloat16
+attn_implementation: flash_attention_2
+use_flash_attention_2: true
+dataset_name: {chat}
+bf16: true
+eval_strategy: 'no'
+gradient_accumulation_steps: 8
+gradient_checkpointing: true
+learning_rate: 1.0e-05
+lr_scheduler_type: cosine_with_min_lr
+lr_scheduler_kwargs:
+  min_lr_rate: 0.1
+packing: false
+max_grad_norm: 0.2
+max_length: 64
+num_train_epochs: 10
+output_dir: {out}
+per_device_train_batch_size: 2
+save_strategy: "steps"
+save_steps: 100
+seed: 42
+use_liger: true
+warmup_ratio: 0.03
+"""
+
+
+def test_trl_older_kernel_switch_names_are_kernel_choices(files):
+    """use_liger (SFTConfig's name before TrainingArguments.use_liger_kernel) and use_flash_attention_2 (the model
+    arguments' name before attn_implementation) pick kernels, not what trains: both were refused."""
+    conv = convert(yaml.safe_load(OPEN_R1_OLYMPIC_CODER.format(**{**files, "chat": files["trl_chat"]}, out="x")))
+    assert any(s == "use_liger: true" and "a kernel choice" in t for s, t in conv.applied), conv.format()
+    assert any(s == "use_flash_attention_2: true" and "model.attn_backend auto" in t for s, t in conv.applied)
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.optim.grad_clip, cfg.schedule.min_lr_ratio) == (0.2, 0.1)

@@ -367,7 +367,8 @@ KERNEL_SWITCHES = ("use_liger_kernel", "liger_kernel_config", "liger_rope", "lig
                    "cut_cross_entropy", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
                    "flash_attn_fuse_mlp", "xformers_attention", "eager_attention", "unsloth_cross_entropy_loss",
                    "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope",
-                   "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel")
+                   "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel",
+                   "use_liger")  # SFTConfig's name before TrainingArguments' use_liger_kernel (open-r1's recipes)
 # switches that change nothing when off (the peers' default) and what trains when on: why gapless refuses them on
 OFF_SWITCHES = {
     "s2_attention": "shifted sparse attention (LongLoRA) attends differently; gapless attends to the whole document",
@@ -886,6 +887,7 @@ TRL_IGNORABLE = {
     "save_strategy": None, "eval_strategy": None, "evaluation_strategy": None, "logging_strategy": None,
     "torch_dtype": None, "dtype": None,
     "attn_implementation": "model.attn_backend auto picks the fastest that runs",
+    "use_flash_attention_2": "model.attn_backend auto picks the fastest that runs",  # attn_implementation's forerunner
     "dataset_train_split": None,
     "model_init_kwargs": None,
     "model_revision": "gapless reads the local model folder as it is",
