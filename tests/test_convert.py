@@ -728,3 +728,40 @@ def test_trl_older_kernel_switch_names_are_kernel_choices(files):
     assert any(s == "use_flash_attention_2: true" and "model.attn_backend auto" in t for s, t in conv.applied)
     cfg = from_dict(RunConfig, conv.config)
     assert (cfg.optim.grad_clip, cfg.schedule.min_lr_ratio) == (0.2, 0.1)
+
+
+# huggingface/alignment-handbook recipes/zephyr-7b-beta/sft/config_qlora.yaml, trimmed: the handbook's SFTConfig
+# (and open-r1's) has chat_template, Jinja that its sft.py sets on the tokenizer
+HANDBOOK_ZEPHYR_QLORA = r"""
+model_name_or_path: {model}
+torch_dtype: bfloat16
+load_in_4bit: true
+use_peft: true
+lora_r: 16
+lora_alpha: 16
+lora_dropout: 0.05
+lora_target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
+chat_template: "{{% for message in messages %}}\n{{% if message['role'] == 'user' %}}\n{{{{ '<|user|>\n' + message['content'] + eos_token }}}}\n{{% elif message['role'] == 'system' %}}\n{{{{ '<|system|>\n' + message['content'] + eos_token }}}}\n{{% elif message['role'] == 'assistant' %}}\n{{{{ '<|assistant|>\n'  + message['content'] + eos_token }}}}\n{{% endif %}}\n{{% if loop.last and add_generation_prompt %}}\n{{{{ '<|assistant|>' }}}}\n{{% endif %}}\n{{% endfor %}}"
+dataset_name: {chat}
+bf16: true
+gradient_accumulation_steps: 2
+learning_rate: 2.0e-04
+lr_scheduler_type: cosine
+max_length: 64
+num_train_epochs: 1
+output_dir: {out}
+per_device_train_batch_size: 4
+seed: 42
+warmup_ratio: 0.1
+"""
+
+
+def test_trl_chat_template_jinja_is_the_data_chat_template(files):
+    """alignment-handbook's and open-r1's chat_template (inline Jinja for the tokenizer) is data.chat_template: it was
+    refused as having no gapless equivalent."""
+    raw = yaml.safe_load(HANDBOOK_ZEPHYR_QLORA.format(**{**files, "chat": files["trl_chat"]}, out="x"))
+    assert raw["chat_template"].startswith("{% for message in messages %}\n{% if message['role'] == 'user' %}")
+    cfg = from_dict(RunConfig, convert(raw).config)
+    assert (cfg.data.chat_template, cfg.method) == (raw["chat_template"], "qlora")
+    with pytest.raises(ValueError, match="chat_template: chatml: expected the Jinja text"):
+        convert({**raw, "chat_template": "chatml"})

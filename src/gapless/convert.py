@@ -1045,6 +1045,13 @@ def convert_trl(raw: dict) -> Conversion:
         c.put("use_rslora", "lora.use_rslora", True)
     if c.has("chat_template_path"):
         c.put("chat_template_path", "data.chat_template", str(c.get("chat_template_path")))
+    # alignment-handbook's and open-r1's SFTConfig: chat_template, Jinja their sft.py sets as the tokenizer's template
+    template = c.get("chat_template")
+    if isinstance(template, str) and "{" in template:
+        c.put("chat_template", "data.chat_template", template)
+    elif template is not None:
+        c.refuse("chat_template", "expected the Jinja text that becomes the tokenizer's chat template (a .jinja "
+                                  "file: chat_template_path)")
     ignorable = {k: v for k, v in TRL_IGNORABLE.items() if v}
     return c.finish(ignorable)
 
