@@ -765,3 +765,40 @@ def test_trl_chat_template_jinja_is_the_data_chat_template(files):
     assert (cfg.data.chat_template, cfg.method) == (raw["chat_template"], "qlora")
     with pytest.raises(ValueError, match="chat_template: chatml: expected the Jinja text"):
         convert({**raw, "chat_template": "chatml"})
+
+
+# huggingface/alignment-handbook recipes/zephyr-7b-beta/sft/config_lora.yaml, trimmed: float16 weights, bf16 training
+HANDBOOK_ZEPHYR_LORA = """
+model_name_or_path: {model}
+torch_dtype: float16
+use_peft: true
+lora_r: 16
+lora_alpha: 16
+lora_dropout: 0.05
+lora_target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
+dataset_name: {chat}
+bf16: true
+gradient_accumulation_steps: 2
+learning_rate: 2.0e-04
+lr_scheduler_type: cosine
+max_seq_length: 64
+num_train_epochs: 1
+output_dir: {out}
+per_device_train_batch_size: 4
+seed: 42
+"""
+
+
+@pytest.mark.parametrize("torch_dtype, bf16, dtype", [("float16", True, "bfloat16"), ("float32", True, "bfloat16"),
+                                                      ("bfloat16", True, "bfloat16"), ("bfloat16", False, "bfloat16"),
+                                                      ("float16", None, "float16")])
+def test_trl_torch_dtype_loads_the_weights_and_bf16_computes(files, torch_dtype, bf16, dtype):
+    """torch_dtype is the dtype the weights load in; bf16: true trains under bfloat16 autocast whatever it is.
+    torch_dtype float16 beside bf16: true made model.dtype float16: float16 matmuls the peer never ran."""
+    raw = yaml.safe_load(HANDBOOK_ZEPHYR_LORA.format(**{**files, "chat": files["trl_chat"]}, out="x"))
+    raw = {**raw, "torch_dtype": torch_dtype, "bf16": bf16}
+    conv = convert({k: v for k, v in raw.items() if v is not None})
+    assert from_dict(RunConfig, conv.config).model.dtype == dtype
+    if bf16 and torch_dtype != "bfloat16":
+        assert any(s == f"torch_dtype: {torch_dtype}" and "bf16 autocast computes in bfloat16" in t
+                   for s, t in conv.applied), conv.format()

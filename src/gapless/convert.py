@@ -941,10 +941,17 @@ def convert_trl(raw: dict) -> Conversion:
             c.note("max_steps", "-1: the epochs decide")
     _optimizer(c, "optim", adapter=bool(c.raw.get("use_peft")))
     _precision(c)
+    # torch_dtype is the dtype the weights load in; bf16 / fp16 train under that autocast whatever it is (the
+    # handbook's zephyr LoRA recipe: float16 weights, bfloat16 matmuls). gapless computes in model.dtype and keeps
+    # float32 copies of the trained weights, so the autocast dtype is the one it takes
+    autocast = "bfloat16" if raw.get("bf16") is True else "float16" if raw.get("fp16") is True else None
     for key in ("torch_dtype", "dtype"):
         value = c.get(key)
         if value not in (None, "auto") and value not in ("bfloat16", "float16", "float32"):
             c.refuse(key, "expected bfloat16, float16 or float32")
+        elif value in ("bfloat16", "float16", "float32") and autocast not in (None, value):
+            c.note(key, f"the weights load in {value} and {'bf16' if autocast == 'bfloat16' else 'fp16'} autocast "
+                        f"computes in {autocast}: model.dtype {autocast}, float32 copies of the trained weights")
         elif value in ("bfloat16", "float16", "float32"):
             c.put(key, "model.dtype", value)
     if c.has("gradient_checkpointing"):
