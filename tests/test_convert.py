@@ -802,3 +802,49 @@ def test_trl_torch_dtype_loads_the_weights_and_bf16_computes(files, torch_dtype,
     if bf16 and torch_dtype != "bfloat16":
         assert any(s == f"torch_dtype: {torch_dtype}" and "bf16 autocast computes in bfloat16" in t
                    for s, t in conv.applied), conv.format()
+
+
+# axolotl-ai-cloud/axolotl examples/phi/lora-3.5.yaml, trimmed: bfloat16 (the weights in bf16, no autocast) beside bf16
+AXOLOTL_PHI_LORA = """
+base_model: {model}
+chat_template: tokenizer_default
+datasets:
+  - path: {chat}
+    type: chat_template
+    field_messages: conversation
+    message_field_role: speaker
+    message_field_content: text
+val_set_size: 0.05
+output_dir: {out}
+sequence_len: 64
+sample_packing: false
+adapter: lora
+lora_r: 32
+lora_alpha: 16
+lora_dropout: 0.05
+lora_target_linear: true
+gradient_accumulation_steps: 4
+micro_batch_size: 4
+num_epochs: 2
+optimizer: adamw_bnb_8bit
+lr_scheduler: cosine
+learning_rate: 0.0002
+train_on_inputs: false
+bfloat16: true
+bf16: true
+fp16:
+tf32: false
+warmup_steps: 10
+"""
+
+
+@pytest.mark.parametrize("extra, dtype", [({}, "bfloat16"), ({"bf16": False}, "bfloat16"),
+                                          ({"bf16": None, "bfloat16": None, "float16": True}, "float16")])
+def test_axolotl_bfloat16_and_float16_are_the_model_dtype(files, extra, dtype):
+    """Axolotl's bfloat16 / float16 load the weights in that dtype and train without autocast: model.dtype. They
+    were refused as having no gapless equivalent."""
+    raw = {**yaml.safe_load(AXOLOTL_PHI_LORA.format(**files, out="x")), **extra}
+    conv = convert(raw)
+    assert from_dict(RunConfig, conv.config).model.dtype == dtype
+    with pytest.raises(ValueError, match="bfloat16: true: .*fp16"):
+        convert({**raw, "bf16": False, "fp16": True, "bfloat16": True})

@@ -195,6 +195,16 @@ def _precision(c: _Converter) -> None:
         c.put(present[0], "model.dtype", "float32", "neither bf16 nor fp16 is on")
         for key in present[1:]:
             c.note(key, "off")
+    # Axolotl's bfloat16 / float16 ("for non-AMP cases"): the weights load in that dtype, and without bf16 / fp16
+    # autocast the run computes in it too (phi/lora-3.5.yaml sets bfloat16 beside bf16)
+    for key in ("bfloat16", "float16"):
+        autocast = "bfloat16" if bf16 else "float16" if fp16 else None
+        if c.get(key) is True and autocast in (None, key):
+            c.put(key, "model.dtype", key)
+        elif c.get(key) is True:
+            c.refuse(key, f"{'bf16' if bf16 else 'fp16'} computes in {autocast}; keep one of the two")
+        elif key in c.raw:
+            c.note(key, "off")
     tf32 = c.get("tf32")
     if tf32 is True:
         # TF32 only changes float32 matmuls; gapless leaves torch's default (TF32 off) and has no switch for it
