@@ -848,3 +848,14 @@ def test_axolotl_bfloat16_and_float16_are_the_model_dtype(files, extra, dtype):
     assert from_dict(RunConfig, conv.config).model.dtype == dtype
     with pytest.raises(ValueError, match="bfloat16: true: .*fp16"):
         convert({**raw, "bf16": False, "fp16": True, "bfloat16": True})
+
+
+def test_axolotl_prediction_tables_change_nothing_that_trains(files):
+    """examples/qwen/lora.yml and examples/mistral/qlora.yml (axolotl-ai-cloud/axolotl) set eval_table_max_new_tokens:
+    128 beside an empty eval_table_size: the prediction table Axolotl logs at evaluation, which trains nothing. It was
+    refused as having no gapless equivalent (eval_max_new_tokens was accepted)."""
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    for extra in ({"eval_table_size": None, "eval_table_max_new_tokens": 128}, {"eval_table_size": 5}):
+        conv = convert({**raw, **extra})
+        for key in extra:
+            assert any(s.startswith(f"{key}:") for s, _ in conv.applied), conv.format()

@@ -496,6 +496,8 @@ AXOLOTL_IGNORABLE = {
     "attn_implementation": "model.attn_backend auto picks the fastest that runs",
     "trust_remote_code": "gapless builds the model with its own decoder from config.json; no remote code runs",
     "eval_max_new_tokens": "gapless's evaluation measures the loss; it generates no samples",
+    "eval_table_size": "a table of generated samples logged at evaluation; gapless's evaluation measures the loss",
+    "eval_table_max_new_tokens": "see eval_table_size",
     "loss_watchdog_threshold": "gapless does not stop a run whose finite loss stays high (a step whose loss is not "
                                "finite updates nothing, 5 in a row stop the run): a run that trains is the same",
     "loss_watchdog_patience": "see loss_watchdog_threshold",
