@@ -859,3 +859,11 @@ def test_axolotl_prediction_tables_change_nothing_that_trains(files):
         conv = convert({**raw, **extra})
         for key in extra:
             assert any(s.startswith(f"{key}:") for s, _ in conv.applied), conv.format()
+
+
+def test_trl_preprocessing_num_workers_is_the_tokenizer_workers(files):
+    """alignment-handbook's older recipes (recipes/zephyr-7b-beta/sft/config_lora.yaml, preprocessing_num_workers: 12)
+    name dataset_num_proc so: how many processes tokenize, not what trains. It was refused as having no equivalent."""
+    raw = yaml.safe_load(HANDBOOK_ZEPHYR_LORA.format(**{**files, "chat": files["trl_chat"]}, out="x"))
+    cfg = from_dict(RunConfig, convert({**raw, "preprocessing_num_workers": 12}).config)
+    assert cfg.data.num_workers == 12

@@ -934,8 +934,10 @@ def convert_trl(raw: dict) -> Conversion:
     _batch(c, "per_device_train_batch_size", seq, packing, 8, "TrainingArguments")
     _one_to_one(c, SHARED_KEYS)
     _harmless(c)
-    if c.has("dataset_num_proc"):
-        c.put("dataset_num_proc", "data.num_workers", int(c.get("dataset_num_proc")))
+    # preprocessing_num_workers: the alignment-handbook's name for it before TRL's dataset_num_proc
+    for key in ("dataset_num_proc", "preprocessing_num_workers"):
+        if c.has(key):
+            c.put(key, "data.num_workers", int(c.get(key)))
     if not c.has("learning_rate"):
         _default(c, "learning_rate", "optim.lr", 2e-5, "SFTConfig")
     _schedule(c, "lr_scheduler_type")
