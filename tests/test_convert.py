@@ -272,6 +272,23 @@ def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
     assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4
 
 
+def test_convert_config_cli_names_the_hub_ids_to_download(files, tmp_path, capsys):
+    # axolotl examples/llama-3/qlora-1b.yml: a hub model and a hub dataset, written as they are, said before training
+    raw = yaml.safe_load(AXOLOTL.format(**files, out=tmp_path / "run"))
+    raw["base_model"] = "NousResearch/Llama-3.2-1B"
+    raw["datasets"] = [{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}]
+    (tmp_path / "ax.yml").write_text(yaml.safe_dump(raw))
+    assert main(["convert-config", str(tmp_path / "ax.yml"), "--out", str(tmp_path / "g.yaml")]) == 0
+    said = capsys.readouterr().out.split("wrote ")[1].splitlines()
+    assert said[1].startswith("before `gapless train") and "local folders" in said[1]
+    assert said[2].startswith("  model.path: 'NousResearch/Llama-3.2-1B' looks like a Hugging Face hub id")
+    assert said[3].startswith("  data.sources[0].path: 'teknium/GPT4-LLM-Cleaned' looks like") and len(said) == 4
+    assert yaml.safe_load((tmp_path / "g.yaml").read_text())["model"]["path"] == "NousResearch/Llama-3.2-1B"
+    path = write(files, TRL, "trl2.yaml", out=tmp_path / "run", chat=files["trl_chat"])  # local paths: nothing said
+    assert main(["convert-config", str(path), "--out", str(tmp_path / "g2.yaml")]) == 0
+    assert "before `gapless train" not in capsys.readouterr().out
+
+
 def test_step_ratios_are_refused_or_mapped(files):
     """TrainingArguments reads save/eval/logging_steps below 1 as a ratio of the run: int() made save_steps 0.25
     checkpoint.every 0 (no checkpoints); transformers 5's warmup_steps below 1 is the warmup ratio."""

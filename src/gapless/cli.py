@@ -156,6 +156,9 @@ def run_convert(args) -> int:
     conv = write_gapless_yaml(args.source, args.out)
     print(conv.format())
     print(f"wrote {args.out}")
+    if conv.hub_paths:  # what `gapless train` would refuse: say it now, while the file is being edited
+        print(f"before `gapless train {args.out}`, set these to local folders (gapless downloads nothing):")
+        print("\n".join(f"  {line}" for line in conv.hub_paths))
     return 0
 
 

@@ -50,6 +50,7 @@ class Conversion:
     config: dict
     fmt: str
     applied: list[tuple[str, str]] = field(default_factory=list)  # (source key = value, what it became)
+    hub_paths: list[str] = field(default_factory=list)  # hub ids among its paths (write_gapless_yaml fills it)
 
     def format(self) -> str:
         width = max((len(s) for s, _ in self.applied), default=0)
@@ -71,14 +72,19 @@ def check_local(path: str | None, where: str, what: str) -> str | None:
     return None
 
 
-def check_run_paths(cfg: RunConfig) -> None:
-    """Every hub id among the model, tokenizer and data paths, named by its field, in one ValueError."""
-    errors = [check_local(cfg.model.path, "model.path", "the model (config.json + *.safetensors)"),
-              check_local(cfg.data.tokenizer, "data.tokenizer", "the tokenizer")]
+def hub_paths(cfg: RunConfig) -> list[str]:
+    """A line (check_local's) for every hub id among the model, tokenizer and data paths, named by its field."""
+    lines = [check_local(cfg.model.path, "model.path", "the model (config.json + *.safetensors)"),
+             check_local(cfg.data.tokenizer, "data.tokenizer", "the tokenizer")]
     for key in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(cfg.data, key)):
-            errors.append(check_local(s.path, f"data.{key}[{i}].path", "data files (.jsonl, .json, .parquet, ...)"))
-    errors = [e for e in errors if e]
+            lines.append(check_local(s.path, f"data.{key}[{i}].path", "data files (.jsonl, .json, .parquet, ...)"))
+    return [line for line in lines if line]
+
+
+def check_run_paths(cfg: RunConfig) -> None:
+    """Every hub id among the model, tokenizer and data paths (hub_paths), in one ValueError."""
+    errors = hub_paths(cfg)
     if errors:
         raise ValueError("\n".join(errors))
 
@@ -1208,7 +1214,7 @@ def write_gapless_yaml(src: str | Path, out: str | Path) -> Conversion:
     if fmt == "gapless":
         raise ValueError(f"{src}: already a gapless config (every top-level key is a gapless field)")
     conv = convert(raw, fmt)
-    from_dict(RunConfig, conv.config, str(src))  # the result must be a valid gapless config
+    conv.hub_paths = hub_paths(from_dict(RunConfig, conv.config, str(src)))  # the result must be a valid config
     header = f"# converted by `gapless convert-config` from {src} ({fmt})\n"
     Path(out).write_text(header + yaml.safe_dump(conv.config, sort_keys=False))
     return conv
