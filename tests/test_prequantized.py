@@ -294,3 +294,21 @@ def test_the_doctor_says_what_the_method_makes_of_a_4bit_checkpoint(hf_checkpoin
         assert len(check_quantised_base(cfg)) == found
     (finding,) = check_quantised_base(cfg)
     assert finding.severity == severity and says in finding.detail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_straight_to_cuda_through_the_staged_reader_equals_the_host_load(bnb_folder):
+    """On CUDA the parts are read by the staged reader (loading._StagedReader) in threads: the dequantised model and
+    the QLoRA storage are the host load's, bit for bit."""
+    _, folder = bnb_folder
+    host = gapless.load_model(folder, dtype=torch.bfloat16)
+    cuda = load_weights(build(folder), torch.bfloat16, "cuda", threads=4)
+    for key, value in host.state_dict().items():
+        assert torch.equal(cuda.state_dict()[key].cpu(), value), key
+    model = apply_qlora(build(folder), LoraConfig(r=4, alpha=8), torch.bfloat16)
+    hook = QloraLoadHook(model)
+    load_weights(model, torch.bfloat16, "cuda", hook=hook, threads=4)
+    layer = model.model.layers[1].mlp.gate_proj
+    assert layer.weight_packed.is_cuda and not hook.requantised
+    assert torch.equal(layer.weight.cpu(), host.model.layers[1].mlp.gate_proj.weight)
