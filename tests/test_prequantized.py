@@ -312,3 +312,27 @@ def test_straight_to_cuda_through_the_staged_reader_equals_the_host_load(bnb_fol
     layer = model.model.layers[1].mlp.gate_proj
     assert layer.weight_packed.is_cuda and not hook.requantised
     assert torch.equal(layer.weight.cpu(), host.model.layers[1].mlp.gate_proj.weight)
+
+
+def test_an_odd_weight_with_a_ragged_last_block_dequantises_as_the_format_says():
+    """15 weights: 8 bytes of codes (the last low nibble unused), one block of 15 (short of 64) and, double-quantised,
+    one second-level block; bitsandbytes, where it imports, gives the same values."""
+    from gapless.model.prequantized import StoredNF4
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (8,), dtype=torch.uint8, generator=gen)
+    quant_map = torch.tensor(NF4_VALUES)
+    nib = torch.stack([codes >> 4, codes & 15], 1).reshape(-1)[:15].long()
+    plain = StoredNF4(codes, torch.tensor([0.75]), quant_map, None, None, 0.0, 64, 0, "nf4", (3, 5), torch.float32)
+    assert torch.equal(plain.dequantize(), (quant_map[nib] * 0.75).view(3, 5))
+    assert plain.nf4() is None  # NF4 storage holds whole 64-weight blocks: QLoRA quantises it again
+    nested = StoredNF4(codes, torch.tensor([200], dtype=torch.uint8), quant_map, torch.tensor([0.5]),
+                       torch.tensor(DYNAMIC_VALUES), 0.25, 64, 256, "nf4", (3, 5), torch.bfloat16)
+    scale = DYNAMIC_VALUES[200] * 0.5 + 0.25
+    assert torch.equal(nested.dequantize(torch.float32), (quant_map[nib] * torch.tensor(scale)).view(3, 5))
+    assert nested.dequantize().dtype == torch.bfloat16
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    w = torch.randn(3, 5, generator=gen)
+    packed, state = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=False)
+    ours = StoredNF4(packed.view(-1), state.absmax, state.code, None, None, 0.0, 64, 0, "nf4", (3, 5), torch.float32)
+    assert torch.equal(ours.dequantize(), bnbf.dequantize_4bit(packed, state))

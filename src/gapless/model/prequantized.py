@@ -5,9 +5,9 @@ config.json carries quantization_config {"quant_method": "bitsandbytes", "load_i
 quantised linear weight X.weight of n elements is stored as (transformers 5.25 + bitsandbytes 0.50, checked by
 tests/test_prequantized.py where bitsandbytes imports):
 
-    X.weight                                 uint8 [n / 2, 1]: two 4-bit codes per byte, element 2i in the high
+    X.weight                                 uint8 [ceil(n / 2), 1]: two 4-bit codes a byte, element 2i in the high
                                              nibble (bnb_4bit_quant_storage another dtype: the same bytes, viewed)
-    X.weight.absmax                          uint8 [n / bs] (double quantisation), else float32: each block's scale
+    X.weight.absmax                          uint8 [ceil(n / bs)] (double quantisation), else float32: each block's scale
     X.weight.quant_map                       float32 [16]: the 4-bit values (NF4's, or FP4's)
     X.weight.nested_absmax                   float32 [ceil(n / bs / nbs)]  } double quantisation only: absmax is
     X.weight.nested_quant_map                float32 [256]                 } 8-bit codes of (absmax - offset)
@@ -25,6 +25,7 @@ takes as it is (QLoraLinear.load_stored_: the run trains on the codes the file h
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,8 +142,8 @@ class StoredNF4:
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight [*shape] in `dtype` (None: the quant state's): float32 math in bitsandbytes' order (its
         dequantize_4bit's values, bit for bit), cast last."""
-        n = self.codes.numel() * 2
-        nib = torch.stack((self.codes >> 4, self.codes & 0xF), dim=-1).view(-1).long()  # [n]: high nibble first
+        n = math.prod(self.shape)  # an odd n leaves the last byte's low nibble unused
+        nib = torch.stack((self.codes >> 4, self.codes & 0xF), dim=-1).view(-1)[:n].long()  # [n]: high nibble first
         blocks = -(-n // self.blocksize)
         w = torch.nn.functional.pad(self.quant_map[nib], (0, blocks * self.blocksize - n)).view(blocks, -1)
         w = (w * self.block_absmax()[:, None]).view(-1)[:n]
@@ -153,7 +154,8 @@ class StoredNF4:
         its scale codes, exactly; without it, its float32 scales double-quantised as QLoRA does. None where the
         storage cannot hold it (FP4 values, another blocksize or second-level map): quantise the dequantised weight."""
         code_table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=self.quant_map.device)
-        if self.quant_type != "nf4" or self.blocksize != BLOCKSIZE or not torch.equal(self.quant_map, code_table):
+        if (self.quant_type != "nf4" or self.blocksize != BLOCKSIZE or math.prod(self.shape) % BLOCKSIZE
+                or not torch.equal(self.quant_map, code_table)):
             return None
         if self.nested_absmax is None:
             absmax_q, absmax_scale, offset = double_quantize(self.absmax.float())
@@ -171,9 +173,7 @@ def read(key: str, parts: StoredParts, get: Callable[[Path, str], Tensor]) -> St
     are checked against the quant state, an error naming the file and tensor."""
     s = parts.state
     t = {suffix: get(*where) for suffix, where in parts.files.items()}
-    n = 1
-    for d in parts.shape:
-        n *= d
+    n = math.prod(parts.shape)
     path = parts.files[""][0]
     codes = t[""].contiguous().view(-1).view(torch.uint8)  # another quant_storage dtype: the same bytes
     blocks = -(-n // s["blocksize"])
@@ -188,10 +188,10 @@ def read(key: str, parts: StoredParts, get: Callable[[Path, str], Tensor]) -> St
     if wrong:
         raise ValueError(f"{path}: the 4-bit weight {key} of shape {list(parts.shape)} (its quant state) does not "
                          f"match its parts: {'; '.join(wrong)}")
-    if n % 2 or (t[".absmax"].dtype != torch.uint8) != (not nested):
-        raise ValueError(f"{path}: the 4-bit weight {key}: {n} elements, absmax of {t['.absmax'].dtype} with"
-                         f"{'' if nested else 'out'} double quantisation; gapless reads an even number of elements "
-                         "and uint8 scales exactly when double-quantised")
+    if (t[".absmax"].dtype == torch.uint8) != nested:
+        raise ValueError(f"{path}: the 4-bit weight {key}: absmax of {t['.absmax'].dtype} with"
+                         f"{'' if nested else 'out'} double quantisation (its quant state's nested_blocksize); "
+                         "bitsandbytes saves uint8 scales exactly when they are double-quantised")
     return StoredNF4(codes, t[".absmax"] if nested else t[".absmax"].float(), t[".quant_map"].float(),
                      t[".nested_absmax"].float() if nested else None,
                      t[".nested_quant_map"].float() if nested else None, float(s.get("nested_offset", 0.0)),
