@@ -208,6 +208,7 @@ def test_a_qlora_run_on_a_4bit_checkpoint_exports_an_adapter_and_a_plain_merged_
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' checkpoints are not supported"),
     ({"load_in_4bit": False, "_load_in_4bit": False, "load_in_8bit": True}, "bitsandbytes 8-bit \\(LLM.int8\\)"),
     ({"bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type 'int4' is not one of nf4, fp4"),
+    ({"quant_method": None, "group_size": 64, "bits": 4}, "an MLX-quantised checkpoint \\(4-bit, group size 64"),
 ])
 def test_other_quantisations_are_refused_naming_the_field(bnb_folder, change, message):
     _, folder = bnb_folder

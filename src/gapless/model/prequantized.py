@@ -53,6 +53,9 @@ def check_quantization_config(config: dict, where: str) -> None:
         raise ValueError(f"{where}: quantization_config: expected an object, got {q!r}")
     method = q.get("quant_method")
     base = "load the unquantised (bf16/fp16/fp32) base model instead"
+    if method is None and "group_size" in q:  # mlx_lm's convert writes {"group_size": 64, "bits": 4} and no method
+        raise ValueError(f"{where}: quantization_config: an MLX-quantised checkpoint ({q.get('bits')}-bit, group size "
+                         f"{q['group_size']}: Apple's mlx_lm format) is not supported; {base}")
     if method != "bitsandbytes":
         raise ValueError(f"{where}: quantization_config: quant_method {method!r} checkpoints are not supported "
                          f"(gapless reads bitsandbytes' 4-bit ones); {base}")
