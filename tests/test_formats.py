@@ -525,3 +525,34 @@ def test_pretty_printed_json_saved_as_jsonl_says_so(tmp_path):
     (tmp_path / "lines.jsonl").write_text('{\n{"messages": []}\n')
     got = examples(SourceConfig(path=str(tmp_path / "lines.jsonl")))
     assert [e.reason for e in got] == ["malformed_json", "empty_conversation"]
+
+
+def test_prompt_completion_keeps_its_tools(tmp_path):
+    """TRL's conversational prompt-completion with a `tools` column (hubertmarek/mistral-large-agent-diff-sft: prompt
+    and completion lists, the completion's tool_calls, tools a JSON string; Salesforce/xlam-function-calling-60k's
+    query/answers/tools mapped onto prompt/completion) lost its tools without a word: the call trained without the
+    definition of the function it calls."""
+    spec = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = {"function": {"arguments": '{"city": "Paris"}', "name": "get_weather"}, "id": "call_1", "index": 0,
+            "type": "function"}
+    (tmp_path / "agent.jsonl").write_text(json.dumps({
+        "prompt": [{"role": "user", "content": "Weather in Paris?"}],
+        "completion": [{"role": "assistant", "content": "", "tool_calls": [call]}],
+        "tools": json.dumps([spec])}) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "agent.jsonl")))[0]
+    assert isinstance(got, Example), str(got)
+    assert got.tools == [spec]
+    assert got.messages[-1]["tool_calls"] == [call]
+    (tmp_path / "xlam.jsonl").write_text(json.dumps({
+        "id": 1, "query": "Weather in Paris?", "answers": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "tools": json.dumps([spec["function"]])}) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "xlam.jsonl"), format="prompt_completion",
+                                columns={"prompt": "query", "completion": "answers"}))[0]
+    assert got.tools == [spec["function"]]
+    # mapped, as the other formats' tools
+    (tmp_path / "mapped.jsonl").write_text(json.dumps({"prompt": "q", "completion": "a",
+                                                       "functions_json": json.dumps([spec])}) + "\n")
+    got = examples(SourceConfig(path=str(tmp_path / "mapped.jsonl"), format="prompt_completion",
+                                columns={"tools": "functions_json"}))[0]
+    assert got.tools == [spec]

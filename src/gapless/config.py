@@ -457,7 +457,7 @@ DATA_FORMAT_FIELDS = {
     "messages": ("messages", "tools", "role", "content"),
     "sharegpt": ("conversations", "tools", "system", "from", "value"),
     "alpaca": ("instruction", "input", "output", "system", "instances"),
-    "prompt_completion": ("prompt", "completion", "system"),
+    "prompt_completion": ("prompt", "completion", "system", "tools"),
     "text": ("text",),
     "oasst": ("prompt",),
     "oasst_top1": ("prompt",),

@@ -8,7 +8,7 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?};
                      Self-Instruct's rows, with "instances": [{"input", "output"}, ...] and no "output", give one
                      example per instance (where: `file:N instance K`; data.eval_fraction holds a row's out together)
-  prompt_completion  {"prompt", "completion", "system"?}
+  prompt_completion  {"prompt", "completion", "system"?, "tools"?}
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
@@ -622,8 +622,9 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
                                for i, t in enumerate(_json_list(value, name, where))]
             system = text("system", False)
             return Example(where, messages=([{"role": "system", "content": system}] if system else [])
-                           + turns["prompt"] + turns["completion"])
-        return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")))
+                           + turns["prompt"] + turns["completion"], tools=_tools(field("tools", False), where))
+        return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")),
+                       tools=_tools(field("tools", False), where))
     raise AssertionError(fmt)
 
 
