@@ -556,3 +556,25 @@ def test_prompt_completion_keeps_its_tools(tmp_path):
     got = examples(SourceConfig(path=str(tmp_path / "mapped.jsonl"), format="prompt_completion",
                                 columns={"tools": "functions_json"}))[0]
     assert got.tools == [spec]
+
+
+def test_openassistant_message_table_is_not_read_as_text(tmp_path):
+    """OpenAssistant/oasst1's Hub table (its parquet, and 2023-04-12_oasst_ready.messages.jsonl.gz): one message a row,
+    with a `text` column, was auto-detected as format text: every prompt and answer trained as a document of its own,
+    deleted and rejected messages too. It names the trees file instead; format oasst says the same per row."""
+    def message(mid, parent, role, text, rank):
+        return {"message_id": mid, "parent_id": parent, "user_id": "u", "created_date": "2023-02-05T14:23:50+00:00",
+                "text": text, "role": role, "lang": "en", "review_count": 3, "review_result": True, "deleted": False,
+                "rank": rank, "synthetic": False, "model_name": None, "detoxify": None, "message_tree_id": "m1",
+                "tree_state": "ready_for_export", "emojis": None, "labels": None}
+    path = tmp_path / "oasst1.jsonl"
+    path.write_text(json.dumps(message("m1", None, "prompter", "What is a monad?", None)) + "\n"
+                    + json.dumps(message("m2", "m1", "assistant", "A design pattern.", 0)) + "\n")
+    with pytest.raises(ValueError, match=r"oasst1.jsonl:1: OpenAssistant's message table \(one message a row, "
+                                         r"linked by parent_id\).*trees\.jsonl\.gz"):
+        examples(SourceConfig(path=str(path)))
+    got = examples(SourceConfig(path=str(path), format="oasst"))
+    assert all(isinstance(e, RecordError) and "trees.jsonl.gz" in str(e) for e in got), [str(e) for e in got]
+    # a text column beside a tree id alone (TinyPixel/oasst1: whole conversations as text) is still text
+    (tmp_path / "flat.jsonl").write_text(json.dumps({"message_tree_id": "m1", "text": "### Human: hi"}) + "\n")
+    assert examples(SourceConfig(path=str(tmp_path / "flat.jsonl")))[0].text == "### Human: hi"

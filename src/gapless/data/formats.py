@@ -16,7 +16,9 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      prompter -> user. A message with `deleted: true` or `review_result: false` is left out with its
                      replies; a thread ends at its last assistant turn, and one with none (an unanswered prompt) is
                      dropped and counted as no_assistant_turn, under either on_error; so is a thread that, so cut,
-                     repeats another of its tree (an answer's several unanswered follow-ups), as duplicate_thread
+                     repeats another of its tree (an answer's several unanswered follow-ups), as duplicate_thread.
+                     The dataset's message table (one message a row: the Hub's parquet, .messages.jsonl.gz) is
+                     refused, naming the .trees.jsonl.gz file (its `text` column is not format text)
   oasst_top1         the same trees, one thread each: at every step the reply of lowest `rank` (0 = the best; unranked
                      replies after ranked ones, in order), as OpenAssistant's oasst_top1 datasets. Auto detection
                      gives oasst (all threads); set format: oasst_top1 for the top-ranked path only
@@ -425,10 +427,19 @@ def _bounded(ex: Example) -> Example:
     return ex
 
 
+# OpenAssistant's message table (oasst1's Hub parquet, its .messages.jsonl.gz): one message a row, linked by parent_id
+OASST_MESSAGE_KEYS = ("message_id", "parent_id", "message_tree_id", "role", "text")
+OASST_MESSAGE_TABLE = ("OpenAssistant's message table (one message a row, linked by parent_id), not conversations; "
+                       "read the dataset's .trees.jsonl.gz file instead (OpenAssistant/oasst1's "
+                       "2023-04-12_oasst_ready.trees.jsonl.gz), which format oasst reads")
+
+
 def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     col = columns.get
     if "message_tree_id" in row and isinstance(row.get(col("prompt", "prompt")), dict):  # a tree's first message
         return "oasst"
+    if all(k in row for k in OASST_MESSAGE_KEYS):  # its `text` column would read as format text, each message alone
+        raise ValueError(f"{where}: {OASST_MESSAGE_TABLE}")
     for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
                       ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
@@ -449,7 +460,8 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
         if not isinstance(root, dict):
             raise RecordError(where, "prompt", MISSING_FIELD if root is None else BAD_VALUE,
                               f"expected the tree's first message, an object, got {type(root).__name__}; "
-                              f"the record has {sorted(row)}")
+                              + (f"the record is a row of {OASST_MESSAGE_TABLE}" if root is None and all(
+                                  k in row for k in OASST_MESSAGE_KEYS) else f"the record has {sorted(row)}"))
         tree = row.get("message_tree_id")
         # by the tree's id: a tree in two rows of the source is one group too; without an id, its row
         group = f"message_tree_id {tree}" if isinstance(tree, str) else where
