@@ -578,3 +578,34 @@ def test_openassistant_message_table_is_not_read_as_text(tmp_path):
     # a text column beside a tree id alone (TinyPixel/oasst1: whole conversations as text) is still text
     (tmp_path / "flat.jsonl").write_text(json.dumps({"message_tree_id": "m1", "text": "### Human: hi"}) + "\n")
     assert examples(SourceConfig(path=str(tmp_path / "flat.jsonl")))[0].text == "### Human: hi"
+
+
+def test_tool_schemas_of_a_parquet_file_keep_only_their_own_parameters(tmp_path):
+    """Tools stored as Arrow structs (datasets' push_to_hub of a list of dicts: kaizen9/ddqa, NemoSheng/web_search)
+    share one struct type, so every tool has every other tool's parameters, null where it had none: get_weather
+    trained as taking `query` and `limit` too. A null is no JSON schema, so those keys are absent ones; a
+    `default: null` (a value, not a schema) stays."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Get weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": "City"}}, "required": ["city"]}}}
+    search = {"type": "function", "function": {"name": "search", "description": "Search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "description": "Query"},
+                                         "limit": {"type": "integer", "description": "Max"}},
+        "required": ["query"]}}}
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = [{"messages": chat, "tools": [weather]}, {"messages": chat, "tools": [search]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    got = examples(SourceConfig(path=str(tmp_path / "tools.parquet")))
+    assert all(isinstance(e, Example) for e in got), [str(e) for e in got]
+    assert [e.tools for e in got] == [[weather], [search]]
+    # values stay: a default or const of null, an enum's null, the literal objects of examples
+    unit = {"type": ["string", "null"], "enum": ["C", "F", None], "default": None, "examples": [{"a": None}]}
+    spec = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                         "properties": {"unit": unit}}}}
+    # ... but a parameter named as one of those keywords is a parameter, dropped when null
+    padded = json.loads(json.dumps(spec))
+    padded["function"]["parameters"]["properties"]["default"] = None
+    (tmp_path / "nullable.jsonl").write_text(json.dumps({"messages": chat, "tools": [padded]}) + "\n")
+    assert examples(SourceConfig(path=str(tmp_path / "nullable.jsonl")))[0].tools == [spec]

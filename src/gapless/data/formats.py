@@ -25,7 +25,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
 A turn's content may be a string or OpenAI's text parts; prompt_completion's prompt and completion may be
 lists of turns (TRL's conversational prompt-completion). An assistant turn may carry OpenAI's `weight`: 0 leaves it
 out of the loss (data.train_on: assistant, last_assistant), 1 is the default. OpenAI's legacy function calling (an
-assistant `function_call`, role `function`, top-level `functions`) reads as tool_calls, role tool and tools.
+assistant `function_call`, role `function`, top-level `functions`) reads as tool_calls, role tool and tools. A tool
+definition's null keys are absent ones (Arrow pads each tool of a column with the others' parameters, null).
 Files: .jsonl/.ndjson, .json (an array, or one object per line), .parquet, .csv, .arrow, and those JSON ones gzip'ed
 (.jsonl.gz); globs;
 folders of such files (not one that holds a dataset's splits, train.jsonl beside test.jsonl: an error that says to
@@ -752,4 +753,28 @@ def _tools(value: Any, where: str) -> list | None:
             raise RecordError(where, "tools", MALFORMED_JSON, f"not valid JSON ({e.msg})") from None
     if not isinstance(value, list):
         raise RecordError(where, "tools", BAD_VALUE, f"expected a list of tool definitions, got {type(value).__name__}")
-    return value
+    return [_without_null_keys(tool) for tool in value]
+
+
+# JSON schema's keywords whose value is data, not a schema: a null there is a value (`default: null`), kept as it is
+SCHEMA_VALUES = ("default", "const", "enum", "examples", "example")
+# JSON schema's keywords whose keys are names (of parameters, definitions), each holding a schema
+SCHEMA_NAMES = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _without_null_keys(schema: Any, names: bool = False) -> Any:
+    """A tool definition without its null-valued keys. Arrow stores a column of tools as one struct type, so a
+    Parquet/Arrow file (datasets' push_to_hub, to_json) gives each tool every other tool's parameters and fields, null
+    where it had none (get_weather's properties {city, query: null, limit: null}); no schema is null, so they are
+    absent ones. The values of SCHEMA_VALUES are left as they are; `names`: the keys are a SCHEMA_NAMES map's."""
+    if isinstance(schema, list):
+        return [_without_null_keys(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in SCHEMA_VALUES and not names:
+            out[k] = v
+        elif v is not None:
+            out[k] = _without_null_keys(v, names=not names and k in SCHEMA_NAMES)
+    return out
