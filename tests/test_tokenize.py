@@ -467,3 +467,29 @@ def test_an_empty_answer_is_refused_or_counted(demo_tokenizer, tmp_path):
     # every token trained: nothing is an answer
     _, _, s = build_data(config(tmp_path, demo_tokenizer, sources, train_on="all"))
     assert s.dropped == {} and s.kept == 5
+
+
+def test_reasoning_a_template_leaves_out_is_counted_and_warned(shared, tmp_path):
+    """Assistant turns with their reasoning beside the answer (OrionLLM/OpenMedicalInstruct, jtl11/tool-calling-json:
+    messages of role, content, reasoning_content; HuggingFaceH4/Multilingual-Thinking's `thinking`): Llama 3's
+    template never writes it, and the answers trained without their reasoning without a word. Counted and warned,
+    as tools the template leaves out; a template that renders it (Qwen3's) is not."""
+    from chat_templates import QWEN3
+
+    records = [{"messages": [{"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."}]},
+               {"messages": [{"role": "system", "content": "reasoning language: French", "thinking": None},
+                             {"role": "user", "content": "Hi", "thinking": None},
+                             {"role": "assistant", "content": "Hello!", "thinking": "L'utilisateur salue."}]},
+               {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}]
+    write_jsonl(tmp_path / "reasoning.jsonl", records)
+    settings = {"sources": [{"path": str(tmp_path / "reasoning.jsonl")}], "num_workers": 0,
+                "tokenizer": str(shared / "tokenizers/llama3"), "cache_dir": str(tmp_path / "c")}
+    with pytest.warns(UserWarning, match="2 records have assistant reasoning .* that the chat template does not "
+                                         "render; their answers are trained without it"):
+        _, _, summary = build_data(from_dict(DataConfig, settings, "data"))
+    assert summary.sources[0].reasoning_not_rendered == 2
+    qwen3 = {**settings, "tokenizer": str(shared / "tokenizers/qwen2"), "chat_template": QWEN3,
+             "cache_dir": str(tmp_path / "q")}
+    _, _, summary = build_data(from_dict(DataConfig, qwen3, "data"))
+    assert summary.sources[0].reasoning_not_rendered == 0

@@ -33,6 +33,7 @@ class SourceSummary:
     tools_not_rendered: int  # records whose tool definitions the chat template leaves out
     tool_calls_as_text: int  # records whose OpenAI-style tool_calls are trained as JSON text (the template has none)
     system_not_rendered: int = 0  # records whose system message the chat template leaves out of the conversation
+    reasoning_not_rendered: int = 0  # records whose assistant reasoning (reasoning_content) the template leaves out
 
 
 @dataclass
@@ -73,7 +74,8 @@ class DataSummary:
                 docs=len(s.dataset), tokens=meta["tokens"], target_tokens=meta["target_tokens"],
                 first_errors=meta["first_errors"], tools_not_rendered=counts.get("tools_not_rendered", 0),
                 tool_calls_as_text=counts.get("tool_calls_as_text", 0),
-                system_not_rendered=counts.get("system_not_rendered", 0)))
+                system_not_rendered=counts.get("system_not_rendered", 0),
+                reasoning_not_rendered=counts.get("reasoning_not_rendered", 0)))
         dropped: dict[str, int] = {}
         for r in rows:
             for k, v in r.dropped.items():
@@ -92,6 +94,11 @@ class DataSummary:
                 warnings.append(f"{r.name}: {r.system_not_rendered} records have a system message that the chat "
                                 "template leaves out of a conversation ending in an answer (Mistral v0.3 writes it "
                                 "only into a last user turn, when prompting); they are trained without it")
+            if r.reasoning_not_rendered:
+                warnings.append(f"{r.name}: {r.reasoning_not_rendered} records have assistant reasoning "
+                                "(reasoning_content, thinking or reasoning beside the answer) that the chat template "
+                                "does not render; their answers are trained without it (set data.chat_template to one "
+                                "that writes it, or put it into the answer's content)")
             if cfg.overlong == "split" and r.truncated:
                 warnings.append(f"{r.name}: overlong=split applies to plain text; {r.truncated} longer "
                                 "conversations were truncated")

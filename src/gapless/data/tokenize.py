@@ -50,6 +50,9 @@ OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; trunca
 NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
 EMPTY_ANSWER = "empty_answer"  # an assistant turn to train with no text and no tool call (an empty CSV cell)
+# The names an assistant turn's reasoning goes by beside its answer (transformers' apply_chat_template passes each
+# under all three: OpenAI-compatible servers' reasoning_content, gpt-oss's thinking)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Files of an HF tokenizer folder that decide tokenization (model weights in the same folder are not read).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.json",
@@ -105,7 +108,8 @@ class Chunk:
     ids: list[np.ndarray] = field(default_factory=list)  # int32, per document
     mask: list[np.ndarray] = field(default_factory=list)  # uint8, per document
     records: list[int] = field(default_factory=list)  # per document: index of its record in the chunk
-    # kept, truncated, split, dropped:<reason>, tools_not_rendered, tool_calls_as_text, system_not_rendered
+    # kept, truncated, split, dropped:<reason>, tools_not_rendered, tool_calls_as_text, system_not_rendered,
+    # reasoning_not_rendered
     counts: Counter = field(default_factory=Counter)
     errors: list[RecordError] = field(default_factory=list)  # bad records, in order
     groups: dict[int, str] = field(default_factory=dict)  # a record's index in the chunk -> its Example.group, if any
@@ -129,6 +133,12 @@ def _name_and_arguments(call) -> dict:
         except ValueError:
             pass  # kept as the string it is
     return {"name": function["name"], "arguments": arguments}
+
+
+def _reasoning(message: dict) -> str | None:
+    """The reasoning an assistant turn carries beside its answer (REASONING_FIELDS), stripped; None if it has none."""
+    text = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str) and message[k].strip()), None)
+    return text.strip() if text else None
 
 
 def _arguments_parsed(call):
@@ -241,6 +251,11 @@ class Encoder:
         # that ends in an answer
         system_lost = any(m["role"] == "system" and m.get("content") and m["content"].strip() not in full
                           for m in messages)
+        # the last reasoning given: a template that renders any writes that one (Qwen3 leaves out the reasoning of
+        # the turns before the last user turn, by design); Llama 3's and Mistral's write none
+        reasoning = [r for m in messages if m["role"] == "assistant" for r in [_reasoning(m)] if r]
+        if reasoning and reasoning[-1] not in full:
+            counts["reasoning_not_rendered"] += 1
         if self.train_on == "all":
             if system_lost:
                 counts["system_not_rendered"] += 1
