@@ -609,3 +609,17 @@ def test_tool_schemas_of_a_parquet_file_keep_only_their_own_parameters(tmp_path)
     padded["function"]["parameters"]["properties"]["default"] = None
     (tmp_path / "nullable.jsonl").write_text(json.dumps({"messages": chat, "tools": [padded]}) + "\n")
     assert examples(SourceConfig(path=str(tmp_path / "nullable.jsonl")))[0].tools == [spec]
+
+
+def test_unpaired_preference_rows_labelled_false_are_not_trained(tmp_path):
+    """TRL's unpaired preference (KTO) rows, trl-lib/kto-mix-14k: prompt, completion and a bool `label`, false for a
+    completion not to learn. Read as prompt-completion, the bad completions trained as well as the good ones; they are
+    left out and counted (as a rejected OpenAssistant message is), under either on_error."""
+    prompt = [{"content": "What color is the sky?", "role": "user"}]
+    rows = [{"prompt": prompt, "completion": [{"content": "Blue.", "role": "assistant"}], "label": True},
+            {"prompt": prompt, "completion": [{"content": "Made of cheese.", "role": "assistant"}], "label": False}]
+    (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = examples(SourceConfig(path=str(tmp_path / "kto.jsonl")))
+    assert isinstance(got[0], Example) and got[0].messages[-1]["content"] == "Blue."
+    assert isinstance(got[1], Skipped) and got[1].reason == "undesirable_completion"
+    assert str(got[1]).startswith(f"{tmp_path / 'kto.jsonl'}:2: label: ")

@@ -8,7 +8,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   alpaca             {"instruction", "input"? (or "context"), "output" (or "response"), "system"?, "history"?};
                      Self-Instruct's rows, with "instances": [{"input", "output"}, ...] and no "output", give one
                      example per instance (where: `file:N instance K`; data.eval_fraction holds a row's out together)
-  prompt_completion  {"prompt", "completion", "system"?, "tools"?}
+  prompt_completion  {"prompt", "completion", "system"?, "tools"?}; a row of TRL's unpaired preference (KTO) data
+                     with `"label": false` (a completion not to learn) is left out, counted as undesirable_completion
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
@@ -68,6 +69,8 @@ MALFORMED_JSON, MISSING_FIELD, BAD_VALUE, UNKNOWN_ROLE, EMPTY_CONVERSATION = (
     "malformed_json", "missing_field", "bad_value", "unknown_role", "empty_conversation")
 NOT_UTF8, TOO_LARGE = "not_utf8", "too_large"
 NO_ASSISTANT_TURN = "no_assistant_turn"  # a Skipped OpenAssistant thread
+# a Skipped row of TRL's unpaired preference (KTO) data: prompt, completion, `label: false` (a completion not to learn)
+UNDESIRABLE_COMPLETION = "undesirable_completion"
 # a Skipped OpenAssistant thread that, cut to its last assistant turn, is another thread of its tree: an answer with
 # several unanswered follow-ups gives one leaf each and the same cut thread each (62 of the 626 threads of
 # ../shared/data/raw/oasst_en100), which would train that answer once per follow-up
@@ -467,6 +470,9 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
         # by the tree's id: a tree in two rows of the source is one group too; without an id, its row
         group = f"message_tree_id {tree}" if isinstance(tree, str) else where
         return _oasst_threads(root, where, group, top1=fmt == "oasst_top1")
+    if fmt == "prompt_completion" and row.get("label") is False:
+        return [Skipped(where, "label", UNDESIRABLE_COMPLETION, "false: TRL's unpaired preference (KTO) marks this "
+                        "completion as one not to learn")]
     name = columns.get("instances", "instances")
     output = columns.get("output", "output")
     if fmt == "alpaca" and row.get(output) is None and row.get("response") is None and name in row:
