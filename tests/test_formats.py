@@ -623,3 +623,37 @@ def test_unpaired_preference_rows_labelled_false_are_not_trained(tmp_path):
     assert isinstance(got[0], Example) and got[0].messages[-1]["content"] == "Blue."
     assert isinstance(got[1], Skipped) and got[1].reason == "undesirable_completion"
     assert str(got[1]).startswith(f"{tmp_path / 'kto.jsonl'}:2: label: ")
+
+
+def test_paired_preference_data_says_how_to_train_its_chosen_answers(tmp_path):
+    """DPO data (TRL's preference type: prompt, chosen, rejected; Intel/orca_dpo_pairs' system, question, chosen,
+    rejected; Anthropic/hh-rlhf's chosen and rejected transcripts) stopped with the generic "cannot tell the format"
+    and an example mapping of question/answer columns it does not have; it names the preference pair and the mapping
+    that trains the chosen answers, and the error lists the fields each format is detected by."""
+    rows = {"dpo.jsonl": {"prompt": [{"role": "user", "content": "Sky?"}], "chosen": [{"role": "assistant",
+            "content": "Blue."}], "rejected": [{"role": "assistant", "content": "Green."}]},
+            "hh.jsonl": {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello", "rejected": "\n\nHuman: Hi\n\nAssistant: Go"},
+            "orca.jsonl": {"system": "", "question": "Sky?", "chosen": "Blue.", "rejected": "Green."},
+            # mlabonne/orpo-dpo-mix-40k: the pair are whole conversations, the prompt column their first turn again
+            "orpo.jsonl": {"source": "x", "prompt": "Sky?", "question": "Sky?",
+                           "chosen": [{"content": "Sky?", "role": "user"}, {"content": "Blue.", "role": "assistant"}],
+                           "rejected": [{"content": "Sky?", "role": "user"}, {"content": "Red.", "role": "assistant"}]}}
+    for name, row in rows.items():
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"dpo.jsonl:1: .*preference pair \(chosen, rejected\).*"
+                                         r"\{format: prompt_completion, columns: \{completion: chosen\}\}"):
+        examples(SourceConfig(path=str(tmp_path / "dpo.jsonl")))
+    with pytest.raises(ValueError, match=r"hh.jsonl:1: .*preference pair.*\{format: text, columns: \{text: chosen\}\}"):
+        examples(SourceConfig(path=str(tmp_path / "hh.jsonl")))
+    with pytest.raises(ValueError, match=r"orca.jsonl:1: .*preference pair.*\{format: prompt_completion, columns: "
+                                         r"\{prompt: COLUMN, completion: chosen\}\}, COLUMN the one that holds"):
+        examples(SourceConfig(path=str(tmp_path / "orca.jsonl")))
+    with pytest.raises(ValueError, match=r"orpo.jsonl:1: .*\{format: messages, columns: \{messages: chosen\}\}"):
+        examples(SourceConfig(path=str(tmp_path / "orpo.jsonl")))
+    with pytest.raises(ValueError, match=r"looked for messages \(messages\), conversations or conversation "
+                                         r"\(sharegpt\), instruction \(alpaca\), prompt and completion"):
+        examples(SourceConfig(path=str(tmp_path / "hh.jsonl")))
+    # the mapping it names reads the chosen answers
+    got = examples(SourceConfig(path=str(tmp_path / "dpo.jsonl"), format="prompt_completion",
+                                columns={"completion": "chosen"}))
+    assert got[0].messages == [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]

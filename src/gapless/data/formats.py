@@ -449,7 +449,23 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
         if all(col(k, k) in row for k in keys):
             return fmt
-    raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)}; set the source's "
+    looked = ("looked for messages (messages), conversations or conversation (sharegpt), instruction (alpaca), prompt "
+              "and completion (prompt_completion), text (text), message_tree_id and a prompt object (oasst)")
+    if "chosen" in row and "rejected" in row:  # DPO's pairs: TRL's preference type, Anthropic/hh-rlhf's transcripts
+        chosen = row["chosen"]
+        # whole conversations (argilla/dpo-mix-7k; mlabonne/orpo-dpo-mix-40k, whose prompt column repeats the user turn)
+        whole = isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) and chosen[0].get("role") in (
+            "user", "system")
+        mapping = ("{format: messages, columns: {messages: chosen}}" if whole
+                   else "{format: prompt_completion, columns: {completion: chosen}}" if col("prompt", "prompt") in row
+                   else "{format: messages, columns: {messages: chosen}}" if isinstance(chosen, list)
+                   else "{format: text, columns: {text: chosen}} (every token of the transcript trained)"
+                   if isinstance(chosen, str) and chosen.lstrip().startswith("Human:")  # hh-rlhf's transcripts
+                   else "{format: prompt_completion, columns: {prompt: COLUMN, completion: chosen}}, COLUMN the "
+                   "one that holds the question")
+        raise ValueError(f"{where}: a preference pair (chosen, rejected), for DPO, not supervised fine-tuning data "
+                         f"({looked}); to train its chosen answers, set the source's {mapping}")
+    raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)} ({looked}); set the source's "
                      "format (messages, sharegpt, alpaca, prompt_completion, text, oasst) and columns, "
                      "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
 
