@@ -304,6 +304,12 @@ def test_activation_checkpointing_that_memory_does_not_require(demo):
     auto = cfg_of(demo, *base, "data.tokens_per_batch=auto", "model.activation_checkpointing=1")
     (f,) = d.check_activation_checkpointing(auto, gpu_env(), args, auto=True)
     assert f.severity == "warning" and "batch finder is still predicted to pick" in f.detail
+    # at most 2 documents of 4,096 slots a batch: auto gets the 8,192 the cap allows without checkpointing, all it can
+    rows = cfg_of(demo, *base, "data.tokens_per_batch=auto", "model.activation_checkpointing=1", "data.batching=padded",
+                  "data.rows_per_batch=2")
+    (f,) = d.check_activation_checkpointing(rows, gpu_env(), args, auto=True)
+    assert f.severity == "warning" and "pick ~8,192 tokens per micro-batch (the most data.rows_per_batch 2 needs)" \
+        in f.detail
     (f,) = d.check_activation_checkpointing(cfg, cpu_env(), args)
     assert f.severity == "info" and "no GPU" in f.detail
 

@@ -761,11 +761,14 @@ def check_activation_checkpointing(cfg: RunConfig, env: dict | None = None, args
     g = _gpus(env)[0]
     cap = g["memory_gib"]
     if auto:
-        pick = auto_tokens(args, cfg.method, cap, cfg.data.max_seq_len, shards=shards, **off)
-        if pick >= FULL_MICRO_BATCH:
+        rows = cfg.data.rows_per_batch  # a batch of that many documents needs no more than rows x max_seq_len slots
+        pick = auto_tokens(args, cfg.method, cap, cfg.data.max_seq_len, rows, shards=shards, **off)
+        enough = min(FULL_MICRO_BATCH, rows * cfg.data.max_seq_len) if rows else FULL_MICRO_BATCH
+        if pick >= enough:
+            capped = f" (the most data.rows_per_batch {rows:,} needs)" if pick < FULL_MICRO_BATCH else ""
             return _f("cfg.activation_checkpointing", "warning", f"{setting} with data.tokens_per_batch auto: "
-                      f"without it the batch finder is still predicted to pick ~{pick:,} tokens per micro-batch on "
-                      f"{g['name']}'s {cap:.0f} GiB: memory does not require it", cost, fix)
+                      f"without it the batch finder is still predicted to pick ~{pick:,} tokens per micro-batch"
+                      f"{capped} on {g['name']}'s {cap:.0f} GiB: memory does not require it", cost, fix)
         return _f("cfg.activation_checkpointing", "ok", f"{setting}: without it auto would get only {pick:,} tokens "
                   f"per micro-batch (under {FULL_MICRO_BATCH:,}) on {g['name']}'s {cap:.0f} GiB")
     if without <= 0.9 * cap:
