@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the meaning of the cached arrays changes (masking rules, layout): old folders stop matching.
-CACHE_VERSION = 8  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
+CACHE_VERSION = 9  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
 # conversational prompt-completion and per-file format detection read records that were skipped as errors before;
 # 4: chat-template masking (sessions 13-14): turns a template rewrites are located or skipped, JSON-string tool-call
 # arguments parsed, null content beside calls, named template sets, Qwen3's earlier turns trained; 5: groups.npy (the
 # threads of an OpenAssistant tree, held out together; a version-4 folder of oasst data would split them apart);
 # 6: prompt-completion records keep their tools; 7: tool definitions without null keys (Arrow's padding);
-# 8: KTO rows of label false left out
+# 8: KTO rows of label false left out; 9: KTO labels as text ("False" in a CSV) left out too
 
 
 class TokenizedDataset:

@@ -9,7 +9,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      Self-Instruct's rows, with "instances": [{"input", "output"}, ...] and no "output", give one
                      example per instance (where: `file:N instance K`; data.eval_fraction holds a row's out together)
   prompt_completion  {"prompt", "completion", "system"?, "tools"?}; a row of TRL's unpaired preference (KTO) data
-                     with `"label": false` (a completion not to learn) is left out, counted as undesirable_completion
+                     with `"label": false` (a completion not to learn) is left out, counted as undesirable_completion;
+                     the label may be text, a CSV's "True"/"false", and any other value of it is a bad record
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
@@ -486,7 +487,7 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
         # by the tree's id: a tree in two rows of the source is one group too; without an id, its row
         group = f"message_tree_id {tree}" if isinstance(tree, str) else where
         return _oasst_threads(root, where, group, top1=fmt == "oasst_top1")
-    if fmt == "prompt_completion" and row.get("label") is False:
+    if fmt == "prompt_completion" and row.get("label") is not None and not _kto_label(row["label"], where):
         return [Skipped(where, "label", UNDESIRABLE_COMPLETION, "false: TRL's unpaired preference (KTO) marks this "
                         "completion as one not to learn")]
     name = columns.get("instances", "instances")
@@ -494,6 +495,20 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
     if fmt == "alpaca" and row.get(output) is None and row.get("response") is None and name in row:
         return _instances(row, name, columns, roles, where)
     return [to_example(row, fmt, columns, roles, where)]
+
+
+# a KTO label as text: a CSV cell holds a bool as pandas' to_csv and Excel write it
+KTO_LABEL_TEXT = {"true": True, "false": False}
+
+
+def _kto_label(value: Any, where: str) -> bool:
+    """A row's TRL unpaired preference (KTO) label: a bool, or its text ("True", "false": a CSV cell)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in KTO_LABEL_TEXT:
+        return KTO_LABEL_TEXT[value.strip().lower()]
+    raise RecordError(where, "label", BAD_VALUE, f"expected true or false (TRL's unpaired preference (KTO) label: "
+                      f"false marks a completion not to learn, left out), got {value!r:.60}")
 
 
 def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, str],
