@@ -676,3 +676,59 @@ def test_paired_preference_data_says_how_to_train_its_chosen_answers(tmp_path):
     got = examples(SourceConfig(path=str(tmp_path / "dpo.jsonl"), format="prompt_completion",
                                 columns={"completion": "chosen"}))
     assert got[0].messages == [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]
+
+
+# LDJnr/Capybara's rows (CapybaraPure_Decontaminated.jsonl; LDJnr/Pure-Dove's are alike): a source and a
+# conversation of {input, output} pairs, each one user turn and the assistant's answer to it
+CAPYBARA = [{"source": "Know-Logic", "conversation": [
+    {"input": "What is the capital of France?", "output": "The capital of France is Paris."},
+    {"input": "And its population?", "output": "About 2.1 million people live in Paris proper."}]},
+    {"source": "Dove", "conversation": [{"input": "Write a haiku about rain.", "output": "Soft rain on the roof"}]}]
+CAPYBARA_MESSAGES = [[{"role": "user", "content": "What is the capital of France?"},
+                      {"role": "assistant", "content": "The capital of France is Paris."},
+                      {"role": "user", "content": "And its population?"},
+                      {"role": "assistant", "content": "About 2.1 million people live in Paris proper."}],
+                     [{"role": "user", "content": "Write a haiku about rain."},
+                      {"role": "assistant", "content": "Soft rain on the roof"}]]
+
+
+def test_capybara_conversations_of_input_output_pairs(tmp_path):
+    """LDJnr/Capybara and LDJnr/Pure-Dove ({"source", "conversation": [{"input", "output"}, ...]}) were detected as
+    ShareGPT and every record refused (its turns have no role), and no columns mapping could read a pair as two
+    turns. Each pair is a user turn and its answer, auto-detected in JSON lines, the Hub's Parquet and a CSV's JSON
+    string, and under `conversations` (machine-translated copies, e.g. trajkovnikola/Capybara-mk)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "capybara.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CAPYBARA))
+    pq.write_table(pa.Table.from_pylist(CAPYBARA), tmp_path / "capybara.parquet")
+    with open(tmp_path / "capybara.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["source", "conversation"])
+        w.writerows([r["source"], json.dumps(r["conversation"])] for r in CAPYBARA)
+    (tmp_path / "mk.jsonl").write_text("".join(json.dumps({"conversations": r["conversation"]}) + "\n"
+                                               for r in CAPYBARA))
+    for name in ("capybara.jsonl", "capybara.parquet", "capybara.csv", "mk.jsonl"):
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert [e.messages for e in got] == CAPYBARA_MESSAGES, name
+    assert [e.messages for e in examples(SourceConfig(path=str(tmp_path / "capybara.jsonl"), format="capybara"))] \
+        == CAPYBARA_MESSAGES
+    # other names for the pair's keys, through columns
+    renamed = [{"dialog": [{"q": p["input"], "a": p["output"]} for p in r["conversation"]]} for r in CAPYBARA]
+    (tmp_path / "renamed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    got = examples(SourceConfig(path=str(tmp_path / "renamed.jsonl"), format="capybara",
+                                columns={"conversation": "dialog", "input": "q", "output": "a"}))
+    assert [e.messages for e in got] == CAPYBARA_MESSAGES
+    # a bad pair names its field; read as ShareGPT, a pair says which format reads it
+    bad = [{"conversation": [{"input": "Hi", "output": "Hello"}, {"input": "More?"}]},
+           {"conversation": [{"input": "Hi", "output": "Hello"}, "Thanks"]},
+           {"conversation": [{"input": "Hi", "output": ["Hello"]}]}, {"conversation": []}]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    got = examples(SourceConfig(path=str(tmp_path / "bad.jsonl")))
+    assert [(e.field, e.reason) for e in got] == [
+        ("conversation[1].output", "missing_field"), ("conversation[1]", "bad_value"),
+        ("conversation[0].output", "bad_value"), ("conversation", "empty_conversation")]
+    assert str(got[0]) == f"{tmp_path / 'bad.jsonl'}:1: conversation[1].output: missing; the turn has ['input']"
+    got = examples(SourceConfig(path=str(tmp_path / "capybara.jsonl"), format="sharegpt"))
+    assert str(got[0]).endswith("conversation[0].from: missing; the turn has ['input', 'output']; {input, output} "
+                                "pairs (LDJnr/Capybara's) are format capybara")

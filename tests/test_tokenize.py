@@ -493,3 +493,22 @@ def test_reasoning_a_template_leaves_out_is_counted_and_warned(shared, tmp_path)
              "cache_dir": str(tmp_path / "q")}
     _, _, summary = build_data(from_dict(DataConfig, qwen3, "data"))
     assert summary.sources[0].reasoning_not_rendered == 0
+
+
+def test_capybara_pairs_train_every_output_under_llama3(shared, tmp_path):
+    """LDJnr/Capybara's {input, output} pairs: each input is a user turn (not trained), each output an assistant answer
+    that trains, with its <|eot_id|>, under data.train_on: assistant."""
+    rows = [{"source": "Know-Logic", "conversation": [{"input": "Capital of France?", "output": "Paris."},
+                                                      {"input": "Population?", "output": "About 2.1 million."},
+                                                      {"input": "Thanks!", "output": "You're welcome."}]},
+            {"source": "Dove", "conversation": [{"input": "A haiku on rain?", "output": "Soft rain on the roof"}]}]
+    path = write_jsonl(tmp_path / "capybara.jsonl", rows)
+    mix, _, s = build_data(config(tmp_path, shared / "tokenizers/llama3", [{"path": str(path)}]))
+    tok = load_tokenizer(shared / "tokenizers/llama3")
+    assert len(mix) == 2 and s.sources[0].dropped == {}
+    for i, row in enumerate(rows):
+        ids, mask = mix.doc(i)
+        assert trained_runs(tok, ids, mask) == [p["output"] + "<|eot_id|>" for p in row["conversation"]]
+        text = tok.decode(np.asarray(ids).tolist())
+        assert text.count("<|start_header_id|>user<|end_header_id|>") == len(row["conversation"])
+        assert all(f"user<|end_header_id|>\n\n{p['input']}<|eot_id|>" in text for p in row["conversation"])

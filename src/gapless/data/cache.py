@@ -34,7 +34,8 @@ CACHE_VERSION = 9  # 2: OpenAI tool_calls kept as JSON text under templates with
 # arguments parsed, null content beside calls, named template sets, Qwen3's earlier turns trained; 5: groups.npy (the
 # threads of an OpenAssistant tree, held out together; a version-4 folder of oasst data would split them apart);
 # 6: prompt-completion records keep their tools; 7: tool definitions without null keys (Arrow's padding);
-# 8: KTO rows of label false left out; 9: KTO labels as text ("False" in a CSV) left out too
+# 8: KTO rows of label false left out; 9: KTO labels as text ("False" in a CSV) left out too, Capybara's
+# {input, output} pairs read (refused before)
 
 
 class TokenizedDataset:

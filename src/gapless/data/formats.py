@@ -11,6 +11,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
   prompt_completion  {"prompt", "completion", "system"?, "tools"?}; a row of TRL's unpaired preference (KTO) data
                      with `"label": false` (a completion not to learn) is left out, counted as undesirable_completion;
                      the label may be text, a CSV's "True"/"false", and any other value of it is a bad record
+  capybara           {"conversation": [{"input", "output"}, ...]} (LDJnr/Capybara, LDJnr/Pure-Dove; `conversations`
+                     too): each pair a user turn (input) and the assistant's answer (output)
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
@@ -445,13 +447,17 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
         return "oasst"
     if all(k in row for k in OASST_MESSAGE_KEYS):  # its `text` column would read as format text, each message alone
         raise ValueError(f"{where}: {OASST_MESSAGE_TABLE}")
+    turns = row.get(col("conversation", "conversation"), row.get(col("conversations", "conversations")))
+    if _input_output_pairs(turns, columns):  # Capybara's, which read as ShareGPT turns have no role
+        return "capybara"
     for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
                       ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
         if all(col(k, k) in row for k in keys):
             return fmt
     looked = ("looked for messages (messages), conversations or conversation (sharegpt), instruction (alpaca), prompt "
-              "and completion (prompt_completion), text (text), message_tree_id and a prompt object (oasst)")
+              "and completion (prompt_completion), text (text), message_tree_id and a prompt object (oasst), "
+              "conversation of {input, output} pairs (capybara)")
     if "chosen" in row and "rejected" in row:  # DPO's pairs: TRL's preference type, Anthropic/hh-rlhf's transcripts
         chosen = row["chosen"]
         # whole conversations (argilla/dpo-mix-7k; mlabonne/orpo-dpo-mix-40k, whose prompt column repeats the user turn)
@@ -467,8 +473,21 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
         raise ValueError(f"{where}: a preference pair (chosen, rejected), for DPO, not supervised fine-tuning data "
                          f"({looked}); to train its chosen answers, set the source's {mapping}")
     raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)} ({looked}); set the source's "
-                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst) and columns, "
+                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst, capybara) and columns, "
                      "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
+
+
+def _input_output_pairs(turns: Any, columns: dict[str, str]) -> bool:
+    """Whether a conversation's first turn is a Capybara pair, {input, output} without a role (a JSON string of turns,
+    a CSV's, parsed)."""
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError:
+            return False
+    first = turns[0] if isinstance(turns, list) and turns else None
+    return (isinstance(first, dict) and columns.get("input", "input") in first and columns.get("output", "output")
+            in first and not any(k in first for k in ("role", "from", columns.get("role"), columns.get("from"))))
 
 
 def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str],
@@ -651,6 +670,10 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         system = text("system", False)
         return Example(where, messages=([{"role": "system", "content": system}] if system else []) + messages,
                        tools=_tools(field("tools", False), where))
+    if fmt == "capybara":
+        name = ("conversations" if "conversation" not in columns and "conversation" not in row
+                and "conversations" in row else "conversation")
+        return Example(where, messages=_pairs(_json_list(field(name), name, where), name, columns, where))
     if fmt == "alpaca":
         # GPTeacher and Dolly name the answer `response`; Dolly names the input `context` (read as any other
         # column, it was left out of the prompt: a closed-QA answer trained without its passage)
@@ -681,6 +704,24 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
 def _chat(system: str | None, user: str, assistant: str) -> list[dict]:
     return (([{"role": "system", "content": system}] if system else [])
             + [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}])
+
+
+def _pairs(pairs: list, name: str, columns: dict[str, str], where: str) -> list[dict]:
+    """Capybara's conversation, [{"input", "output"}, ...], as messages: each input a user turn, its output the
+    assistant's answer."""
+    messages = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, dict):
+            raise RecordError(where, f"{name}[{i}]", BAD_VALUE, f"expected an {{input, output}} object, got "
+                              f"{type(pair).__name__}")
+        for role, key in (("user", columns.get("input", "input")), ("assistant", columns.get("output", "output"))):
+            value = pair.get(key)
+            if not isinstance(value, str):
+                raise RecordError(where, f"{name}[{i}].{key}", MISSING_FIELD if value is None else BAD_VALUE,
+                                  f"missing; the turn has {sorted(pair)}" if value is None
+                                  else f"expected a string, got {type(value).__name__}")
+            messages.append({"role": role, "content": value})
+    return messages
 
 
 def _history(value: Any, where: str) -> list[dict]:
@@ -729,7 +770,9 @@ def _message(turn: Any, i: int, name: str, role_key: str, content_key: str, role
     if not isinstance(turn, dict):
         raise RecordError(where, field, BAD_VALUE, f"expected an object, got {type(turn).__name__}")
     if role_key not in turn:
-        raise RecordError(where, f"{field}.{role_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}")
+        pairs = "input" in turn and "output" in turn  # Capybara's turns: one {input, output} pair each
+        raise RecordError(where, f"{field}.{role_key}", MISSING_FIELD, f"missing; the turn has {sorted(turn)}"
+                          + ("; {input, output} pairs (LDJnr/Capybara's) are format capybara" if pairs else ""))
     if not isinstance(turn[role_key], str):
         raise RecordError(where, f"{field}.{role_key}", BAD_VALUE,
                           f"expected a string, got {type(turn[role_key]).__name__} {turn[role_key]!r:.60}")
