@@ -732,3 +732,152 @@ def test_capybara_conversations_of_input_output_pairs(tmp_path):
     got = examples(SourceConfig(path=str(tmp_path / "capybara.jsonl"), format="sharegpt"))
     assert str(got[0]).endswith("conversation[0].from: missing; the turn has ['input', 'output']; {input, output} "
                                 "pairs (LDJnr/Capybara's) are format capybara")
+
+
+# glaiveai/glaive-function-calling-v2 (its one file, glaive-function-calling-v2.json, a JSON array of {system, chat}):
+# the system text's lead-in, then each function definition as json.dumps(indent=4) writes it, apart by blank lines
+GLAIVE_LEAD_IN = "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+DETECT = {"name": "detect_language", "description": "Detect the language of a given text",
+          "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "The text"}},
+                         "required": ["text"]}}
+SMS = {"name": "send_sms", "description": "Send an SMS", "parameters": {"type": "object", "properties": {
+    "phone_number": {"type": "string"}, "message": {"type": "string"}}, "required": ["phone_number", "message"]}}
+TIME = {"name": "get_current_time", "description": "Get the current time", "parameters": {}}
+NO_FUNCTIONS = "SYSTEM: You are a helpful assistant, with no access to external functions.\n\n"
+
+
+def glaive_system(*functions) -> str:
+    return GLAIVE_LEAD_IN + "".join(json.dumps(f, indent=4) + "\n\n" for f in functions)
+
+
+def glaive_chat(*turns) -> str:
+    return "\n\n\n".join(turns) + "\n\n\n"
+
+
+def call(name: str, arguments: str) -> str:
+    return f'ASSISTANT: <functioncall> {{"name": "{name}", "arguments": {arguments}}} <|endoftext|>'
+
+
+def tool_call(name: str, arguments: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+GLAIVE_ROWS = [
+    # two functions; a question back, a call with single-quoted arguments, its response and the answer; a second call
+    # whose quoted arguments are pretty-printed and hold an apostrophe, left unanswered at the chat's end
+    {"system": glaive_system(DETECT, SMS), "chat": glaive_chat(
+        "USER: I have a text here. Can you tell me what language it is?",
+        "ASSISTANT: Of course. Please provide me with the text. <|endoftext|>",
+        'USER: Here it is - "Je suis un étudiant"',
+        call("detect_language", '\'{"text": "Je suis un étudiant"}\''),
+        'FUNCTION RESPONSE: {"language": "French"}',
+        "ASSISTANT: The text you provided is in French. <|endoftext|>",
+        "USER: Thanks! Text my friend at 1234567890 that we meet at 6.",
+        call("send_sms", '\'{\n  "phone_number": "1234567890",\n  "message": "Hey, let\'s meet at 6"\n}\'')),
+     "messages": [{"role": "user", "content": "I have a text here. Can you tell me what language it is?"},
+                  {"role": "assistant", "content": "Of course. Please provide me with the text."},
+                  {"role": "user", "content": 'Here it is - "Je suis un étudiant"'},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [tool_call("detect_language", {"text": "Je suis un étudiant"})]},
+                  {"role": "tool", "content": '{"language": "French"}'},
+                  {"role": "assistant", "content": "The text you provided is in French."},
+                  {"role": "user", "content": "Thanks! Text my friend at 1234567890 that we meet at 6."},
+                  {"role": "assistant", "content": None, "tool_calls": [tool_call(
+                      "send_sms", {"phone_number": "1234567890", "message": "Hey, let's meet at 6"})]}],
+     "tools": [{"type": "function", "function": DETECT}, {"type": "function", "function": SMS}]},
+    # no functions: the system text stays the system message; these rows' turns are apart by "\n\n"
+    {"system": NO_FUNCTIONS, "chat": "USER: Assign this occupation to a category\nNurse\n\nASSISTANT: Healthcare "
+                                     "<|endoftext|>\n\nUSER: What about an electrician?\n\nASSISTANT: Skilled Trades "
+                                     "<|endoftext|>",
+     "messages": [{"role": "system", "content": "You are a helpful assistant, with no access to external functions."},
+                  {"role": "user", "content": "Assign this occupation to a category\nNurse"},
+                  {"role": "assistant", "content": "Healthcare"},
+                  {"role": "user", "content": "What about an electrician?"},
+                  {"role": "assistant", "content": "Skilled Trades"}],
+     "tools": None},
+    # words before the call are its turn's text; arguments as an object, as a quoted string with the Python escape
+    # \' (not JSON's), and none at all (a function of no parameters)
+    {"system": glaive_system(SMS, TIME), "chat": glaive_chat(
+        "USER: What time is it?",
+        'ASSISTANT: Let me check.\n<functioncall> {"name": "get_current_time", "arguments": {}} <|endoftext|>',
+        'FUNCTION RESPONSE: {"time": "10:30 AM"}',
+        "ASSISTANT: It is 10:30 AM. <|endoftext|>",
+        "USER: Text 555 that I'm late.",
+        call("send_sms", '\'{"phone_number": "555", "message": "I\\\'m late"}\''),
+        'FUNCTION RESPONSE: {"status": "sent"}',
+        'ASSISTANT: <functioncall> {"name": "get_current_time"} <|endoftext|>'),
+     "messages": [{"role": "user", "content": "What time is it?"},
+                  {"role": "assistant", "content": "Let me check.", "tool_calls": [tool_call("get_current_time", {})]},
+                  {"role": "tool", "content": '{"time": "10:30 AM"}'},
+                  {"role": "assistant", "content": "It is 10:30 AM."},
+                  {"role": "user", "content": "Text 555 that I'm late."},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [tool_call("send_sms", {"phone_number": "555", "message": "I'm late"})]},
+                  {"role": "tool", "content": '{"status": "sent"}'},
+                  {"role": "assistant", "content": None, "tool_calls": [tool_call("get_current_time", {})]}],
+     "tools": [{"type": "function", "function": SMS}, {"type": "function", "function": TIME}]},
+]
+# rows that cannot be read, each with its field, reason and what the error says was unexpected
+GLAIVE_BAD = [
+    ({"system": glaive_system(SMS), "chat": glaive_chat("USER: Text 555 hi", call("send_message", "'{}'"))},
+     "bad_value", "turn 2 (ASSISTANT): a call to 'send_message', which the system text does not define (it defines "
+                  "send_sms)"),
+    ({"system": NO_FUNCTIONS, "chat": glaive_chat("USER: Time?", call("get_current_time", "'{}'"))},
+     "bad_value", "turn 2 (ASSISTANT): a call to 'get_current_time', which the system text does not define (it "
+                  "defines no functions)"),
+    # the call in another syntax: the response answers no <functioncall>
+    ({"system": glaive_system(TIME), "chat": glaive_chat(
+        "USER: Time?", 'ASSISTANT: Sure.\nAI to= get_current_time: {} <|endoftext|>', 'FUNCTION RESPONSE: {"t": 1}')},
+     "bad_value", "turn 3 (FUNCTION RESPONSE): a function response to no call"),
+    # a turn marker lost inside a user turn: its text runs on into an answer
+    ({"system": NO_FUNCTIONS, "chat": glaive_chat(
+        'USER: Add the book "\nASSISTANT: A Modern Approach" to my cart. <|endoftext|>',
+        "ASSISTANT: Done. <|endoftext|>")},
+     "bad_value", "turn 1 (USER): <|endoftext|> inside the turn, not at an answer's end"),
+    ({"system": glaive_system(SMS), "chat": glaive_chat("USER: hi", call("send_sms", "'{\"message\": [User data]}'"))},
+     "malformed_json", "turn 2 (ASSISTANT): the call is not JSON (Expecting value)"),
+    ({"system": glaive_system(SMS), "chat": glaive_chat("USER: hi", call("send_sms", "'[5, 10]'"))},
+     "bad_value", "turn 2 (ASSISTANT): the call's arguments are not a JSON object"),
+    ({"system": glaive_system(SMS), "chat": glaive_chat("USER: hi", call("send_sms", "'{\"n\": Infinity}'"))},
+     "malformed_json", "turn 2 (ASSISTANT): the call is not JSON (Infinity is not JSON)"),
+    ({"system": glaive_system(TIME), "chat": glaive_chat(
+        "USER: hi", 'ASSISTANT: <functioncall> {"name": "get_current_time", "parameters": {}} <|endoftext|>')},
+     "bad_value", "turn 2 (ASSISTANT): expected <functioncall> {\"name\": ..., \"arguments\": ...}"),
+    # the call stops inside its arguments
+    ({"system": glaive_system(SMS), "chat": glaive_chat(
+        "USER: hi", 'ASSISTANT: <functioncall> {"name": "send_sms", "arguments": \'{"message": "')},
+     "malformed_json", "turn 2 (ASSISTANT): the call is not JSON"),
+    ({"system": GLAIVE_LEAD_IN + '{\n    "name": "f",\n    "description": "broken\n}\n', "chat": "USER: hi"},
+     "malformed_json", "function definition 1 after the lead-in is not valid JSON"),
+    ({"system": NO_FUNCTIONS, "chat": "Hello there\n\n\nASSISTANT: hi <|endoftext|>"},
+     "bad_value", "expected a turn marker (USER:, ASSISTANT:, FUNCTION RESPONSE:) at the start, got 'Hello there"),
+]
+
+
+def test_glaive_function_calling_v2_reads_as_tools_calls_and_results(tmp_path):
+    """glaive-function-calling-v2's {system, chat} rows were refused as of no known format, and the one mapping that
+    read them, format text of the chat, trained every token (the user's turns and the function responses too, the
+    call as glaive's own syntax, no tools). The function definitions are the tools,
+    each <functioncall> an assistant tool call (its single-quoted arguments parsed), each FUNCTION RESPONSE the
+    call's result, every <|endoftext|> gone; auto-detected, in the dataset's JSON array and its Hub Parquet."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"system": r["system"], "chat": r["chat"]} for r in GLAIVE_ROWS]
+    (tmp_path / "glaive-function-calling-v2.json").write_text(json.dumps(rows, indent=4))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    for name in ("glaive-function-calling-v2.json", "train.parquet"):
+        got = examples(SourceConfig(path=str(tmp_path / name)))
+        assert all(isinstance(e, Example) for e in got), [str(e) for e in got]
+        assert [e.messages for e in got] == [r["messages"] for r in GLAIVE_ROWS], name
+        assert [e.tools for e in got] == [r["tools"] for r in GLAIVE_ROWS], name
+    got = examples(SourceConfig(path=str(tmp_path / "train.parquet"), format="glaive"))
+    assert [e.messages for e in got] == [r["messages"] for r in GLAIVE_ROWS]
+
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(row) + "\n" for row, _, _ in GLAIVE_BAD))
+    got = examples(SourceConfig(path=str(tmp_path / "bad.jsonl"), format="glaive"))
+    assert all(isinstance(e, RecordError) and not isinstance(e, Skipped) for e in got)
+    for n, (e, (row, reason, says)) in enumerate(zip(got, GLAIVE_BAD), 1):
+        field = "system" if says.startswith("function definition") else "chat"
+        assert (e.where, e.field, e.reason) == (f"{tmp_path / 'bad.jsonl'}:{n}", field, reason), str(e)
+        assert str(e).startswith(f"{e.where}: {field}: {says}"), str(e)

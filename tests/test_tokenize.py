@@ -512,3 +512,40 @@ def test_capybara_pairs_train_every_output_under_llama3(shared, tmp_path):
         text = tok.decode(np.asarray(ids).tolist())
         assert text.count("<|start_header_id|>user<|end_header_id|>") == len(row["conversation"])
         assert all(f"user<|end_header_id|>\n\n{p['input']}<|eot_id|>" in text for p in row["conversation"])
+
+
+def test_glaive_rows_render_as_tool_calls_and_results_under_a_tool_template(shared, tmp_path):
+    """glaive-function-calling-v2's rows under Qwen 2.5's tool template: the function definitions in the system
+    prompt's <tools>, each <functioncall> trained as the template's <tool_call> (words before it too), each function
+    response a <tool_response> that does not train, no <|endoftext|> left; a row that cannot be read is a counted
+    skip under on_error: skip."""
+    (tmp_path / "tools.jinja").write_text(QWEN_TOOL_TEMPLATE)
+    weather = {"name": "get_weather", "description": "Get the weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    system = ("SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+              + json.dumps(weather, indent=4) + "\n\n")
+    rows = [{"system": system, "chat": "USER: Weather in Paris?\n\n\nASSISTANT: Let me look.\n<functioncall> "
+                                       "{\"name\": \"get_weather\", \"arguments\": '{\"city\": \"Paris\"}'} "
+                                       "<|endoftext|>\n\n\nFUNCTION RESPONSE: {\"temp\": 18}\n\n\nASSISTANT: It's 18 "
+                                       "degrees in Paris. <|endoftext|>\n\n\n"},
+            {"system": "SYSTEM: You are a helpful assistant, with no access to external functions.\n\n",
+             "chat": "USER: Hi!\n\n\nASSISTANT: Hello! How can I help? <|endoftext|>\n\n\n"},
+            {"system": system, "chat": "USER: Weather?\n\n\nASSISTANT: <functioncall> {\"name\": \"get_forecast\", "
+                                       "\"arguments\": '{}'} <|endoftext|>"}]
+    path = write_jsonl(tmp_path / "glaive.jsonl", rows)
+    cfg = config(tmp_path, shared / "tokenizers/qwen2", [{"path": str(path)}], on_error="skip",
+                 chat_template=str(tmp_path / "tools.jinja"))
+    mix, _, s = build_data(cfg)
+    tok = load_tokenizer(shared / "tokenizers/qwen2")
+    assert len(mix) == 2 and s.sources[0].dropped == {"bad_value": 1} and s.warnings == []
+    ids, mask = mix.doc(0)
+    assert trained_runs(tok, ids, mask) == [
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It's 18 degrees in Paris.<|im_end|>"]
+    text = tok.decode(np.asarray(ids).tolist())
+    assert json.dumps({"type": "function", "function": weather}) in text
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 18}\n</tool_response><|im_end|>' in text
+    assert "<|endoftext|>" not in text and "functioncall" not in text and "Use them if required" not in text
+    ids, mask = mix.doc(1)
+    assert trained_runs(tok, ids, mask) == ["Hello! How can I help?<|im_end|>"]
+    assert "with no access to external functions.<|im_end|>" in tok.decode(np.asarray(ids).tolist())

@@ -34,8 +34,8 @@ def register_data(sub) -> None:
                    help="a YAML config (its data: section, or the whole file) or data files, one source each")
     p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer or model folder (overrides data.tokenizer)")
     p.add_argument("--format", default="auto",
-                   choices=["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst", "oasst_top1",
-                            "capybara"],
+                   choices=["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
+                            "oasst_top1", "capybara", "glaive"],
                    help="format of the data files given on the command line")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a data setting, e.g. --set max_seq_len=2048 --set on_error=skip")

@@ -462,6 +462,7 @@ DATA_FORMAT_FIELDS = {
     "oasst": ("prompt",),
     "oasst_top1": ("prompt",),
     "capybara": ("conversation", "input", "output"),
+    "glaive": ("system", "chat"),
 }
 # What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
 # (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
@@ -477,9 +478,10 @@ class SourceConfig:
     # the records' format (DATA_FORMAT_FIELDS); auto: detected per file from the first record's keys. OpenAssistant's
     # message trees: oasst = every root-to-leaf thread (what auto detects), oasst_top1 = one thread per tree, the
     # reply of lowest rank at each step (gapless.data.formats says more). capybara: LDJnr/Capybara's
-    # conversation of {input, output} pairs, each a user turn and its answer
+    # conversation of {input, output} pairs, each a user turn and its answer. glaive: glaive-function-calling-v2's
+    # system text and chat string, read into tools, tool calls and their results
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
-                    "oasst_top1", "capybara"] = "auto"
+                    "oasst_top1", "capybara", "glaive"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
     # drop each conversation's leading system turn (its first turn when that is a system one, the format's system

@@ -35,7 +35,7 @@ CACHE_VERSION = 9  # 2: OpenAI tool_calls kept as JSON text under templates with
 # threads of an OpenAssistant tree, held out together; a version-4 folder of oasst data would split them apart);
 # 6: prompt-completion records keep their tools; 7: tool definitions without null keys (Arrow's padding);
 # 8: KTO rows of label false left out; 9: KTO labels as text ("False" in a CSV) left out too, Capybara's
-# {input, output} pairs read (refused before)
+# {input, output} pairs and glaive-function-calling-v2's chat strings read (refused before)
 
 
 class TokenizedDataset:

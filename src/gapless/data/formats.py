@@ -13,6 +13,13 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      the label may be text, a CSV's "True"/"false", and any other value of it is a bad record
   capybara           {"conversation": [{"input", "output"}, ...]} (LDJnr/Capybara, LDJnr/Pure-Dove; `conversations`
                      too): each pair a user turn (input) and the assistant's answer (output)
+  glaive             glaiveai/glaive-function-calling-v2's {"system", "chat"}: the chat one string of turns, "USER: ",
+                     "ASSISTANT: " (its end marked <|endoftext|>) and "FUNCTION RESPONSE: ", apart by blank lines; an
+                     assistant's `<functioncall> {"name", "arguments": '{...}'}` is a tool call, the response after it
+                     the tool's result, the JSON function definitions after the system text's lead-in the tools (the
+                     lead-in itself is left to the template's tool prompt). A turn that does not read so (a response
+                     to no call, arguments that are not a JSON object, a call to an undefined function, a turn
+                     marker lost inside another turn) is a bad record naming the turn
   text               {"text"} for continued pre-training
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
@@ -450,6 +457,9 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     turns = row.get(col("conversation", "conversation"), row.get(col("conversations", "conversations")))
     if _input_output_pairs(turns, columns):  # Capybara's, which read as ShareGPT turns have no role
         return "capybara"
+    chat = row.get(col("chat", "chat"))
+    if isinstance(chat, str) and GLAIVE_TURN.match(chat.lstrip()):  # glaive-function-calling-v2's transcript
+        return "glaive"
     for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
                       ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
@@ -457,7 +467,7 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
             return fmt
     looked = ("looked for messages (messages), conversations or conversation (sharegpt), instruction (alpaca), prompt "
               "and completion (prompt_completion), text (text), message_tree_id and a prompt object (oasst), "
-              "conversation of {input, output} pairs (capybara)")
+              "conversation of {input, output} pairs (capybara), a chat string of USER:/ASSISTANT: turns (glaive)")
     if "chosen" in row and "rejected" in row:  # DPO's pairs: TRL's preference type, Anthropic/hh-rlhf's transcripts
         chosen = row["chosen"]
         # whole conversations (argilla/dpo-mix-7k; mlabonne/orpo-dpo-mix-40k, whose prompt column repeats the user turn)
@@ -473,8 +483,8 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
         raise ValueError(f"{where}: a preference pair (chosen, rejected), for DPO, not supervised fine-tuning data "
                          f"({looked}); to train its chosen answers, set the source's {mapping}")
     raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)} ({looked}); set the source's "
-                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst, capybara) and columns, "
-                     "e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
+                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst, capybara, glaive) and "
+                     "columns, e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
 
 
 def _input_output_pairs(turns: Any, columns: dict[str, str]) -> bool:
@@ -674,6 +684,10 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         name = ("conversations" if "conversation" not in columns and "conversation" not in row
                 and "conversations" in row else "conversation")
         return Example(where, messages=_pairs(_json_list(field(name), name, where), name, columns, where))
+    if fmt == "glaive":
+        system, tools = _glaive_system(text("system", False), where)
+        return Example(where, messages=([{"role": "system", "content": system}] if system else [])
+                       + _glaive_turns(text("chat"), tools, where), tools=tools)
     if fmt == "alpaca":
         # GPTeacher and Dolly name the answer `response`; Dolly names the input `context` (read as any other
         # column, it was left out of the prompt: a closed-QA answer trained without its passage)
@@ -722,6 +736,121 @@ def _pairs(pairs: list, name: str, columns: dict[str, str], where: str) -> list[
                                   else f"expected a string, got {type(value).__name__}")
             messages.append({"role": role, "content": value})
     return messages
+
+
+# glaiveai/glaive-function-calling-v2: the system text's lead-in before its function definitions (the system text of
+# a row without functions is "SYSTEM: You are a helpful assistant, with no access to external functions.")
+GLAIVE_LEAD_IN = "You are a helpful assistant with access to the following functions. Use them if required -"
+# a turn's marker, at the chat's start or after a blank line (turns are apart by "\n\n\n", in some rows "\n\n")
+GLAIVE_TURN = re.compile(r"(?:\A|\n\n+)(USER|ASSISTANT|FUNCTION RESPONSE):")
+GLAIVE_END = "<|endoftext|>"  # the end of each assistant turn
+# a call as glaive writes it: the arguments a JSON object inside single quotes (a Python literal, which may hold an
+# apostrophe: "let's"), not a JSON string
+GLAIVE_CALL = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*\'(.*)\'\s*\}', re.DOTALL)
+
+
+def _glaive_system(text: str | None, where: str) -> tuple[str | None, list | None]:
+    """glaive's system text -> (the system message, the tools): after GLAIVE_LEAD_IN, JSON function definitions
+    (pretty-printed, apart by blank lines) and nothing else, as tools and no system message; other text as it is."""
+    body = (text or "").strip().removeprefix("SYSTEM:").strip()
+    if not body.startswith(GLAIVE_LEAD_IN):
+        return body or None, None
+    rest, tools, decoder = body[len(GLAIVE_LEAD_IN):], [], json.JSONDecoder()
+    i = _WS.match(rest).end()
+    while i < len(rest):
+        try:
+            function, i = decoder.raw_decode(rest, i)
+        except json.JSONDecodeError as e:
+            raise RecordError(where, "system", MALFORMED_JSON, f"function definition {len(tools) + 1} after the "
+                              f"lead-in is not valid JSON ({e.msg}): {rest[e.pos:e.pos + 40]!r}") from None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise RecordError(where, "system", BAD_VALUE, f"function definition {len(tools) + 1} after the lead-in: "
+                              f"expected an object with a name, got {json.dumps(function)[:60]}")
+        tools.append({"type": "function", "function": function})
+        i = _WS.match(rest, i).end()
+    if not tools:
+        raise RecordError(where, "system", BAD_VALUE, "the lead-in to function definitions, and none after it")
+    return None, tools
+
+
+def _glaive_turns(chat: str, tools: list | None, where: str) -> list[dict]:
+    """glaive's chat string -> messages: USER a user turn, ASSISTANT an assistant turn (less its <|endoftext|>; a
+    <functioncall> in it its tool call, the text before it its content), FUNCTION RESPONSE the result of the call
+    just before it."""
+    chat = chat.strip()
+    marks = list(GLAIVE_TURN.finditer(chat))
+    if not marks or marks[0].start() != 0:
+        raise RecordError(where, "chat", BAD_VALUE, f"expected a turn marker (USER:, ASSISTANT:, FUNCTION RESPONSE:) "
+                          f"at the start, got {chat[:40]!r}")
+    defined = [t["function"]["name"] for t in tools or []]
+    messages: list[dict] = []
+    for k, (mark, after) in enumerate(zip(marks, marks[1:] + [None]), 1):
+        role, text = mark[1], chat[mark.end():after.start() if after else len(chat)].strip()
+
+        def bad(problem: str, reason: str = BAD_VALUE) -> RecordError:
+            return RecordError(where, "chat", reason, f"turn {k} ({role}): {problem}")
+
+        if role == "ASSISTANT":
+            text = text.removesuffix(GLAIVE_END).rstrip()
+        if GLAIVE_END in text:  # a turn marker lost: one turn's text runs on into the next
+            raise bad(f"{GLAIVE_END} inside the turn, not at an answer's end: {_around(text, GLAIVE_END)!r}")
+        if role == "USER":
+            messages.append({"role": "user", "content": text})
+        elif role == "FUNCTION RESPONSE":
+            if not (messages and messages[-1].get("tool_calls")):
+                raise bad("a function response to no call (the turn before it is not a <functioncall>)")
+            messages.append({"role": "tool", "content": text})
+        elif "<functioncall>" in text:
+            before, call = text.split("<functioncall>", 1)
+            if "<functioncall>" in call:
+                raise bad("two <functioncall>s in one turn")
+            name, arguments = _glaive_call(call, bad)
+            if name not in defined:
+                raise bad(f"a call to {name!r}, which the system text does not define "
+                          f"({'it defines ' + ', '.join(defined) if defined else 'it defines no functions'})")
+            messages.append({"role": "assistant", "content": before.strip() or None,
+                             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]})
+        else:
+            messages.append({"role": "assistant", "content": text})
+    return messages
+
+
+def _glaive_call(text: str, bad) -> tuple[str, dict]:
+    """The name and arguments of a glaive call, `{"name": ..., "arguments": '{...}'}` (or arguments as a JSON
+    object, or none: {}); `bad(problem, reason)` makes the error."""
+    text = text.strip()
+    quoted = GLAIVE_CALL.fullmatch(text)
+    try:
+        if quoted:
+            name, arguments = quoted[1], quoted[2]
+            try:
+                arguments = _strict_json(arguments)
+            except ValueError:  # a backslash before an apostrophe: the Python literal's escape, which JSON has not
+                arguments = _strict_json(arguments.replace("\\'", "'"))
+        else:
+            call = _strict_json(text)
+    except ValueError as e:
+        raise bad(f"the call is not JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}): {text[:80]!r}",
+                  MALFORMED_JSON) from None
+    if not quoted:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and set(call) <= {"name", "arguments"}):
+            raise bad(f"expected <functioncall> {{\"name\": ..., \"arguments\": ...}}, got {text[:80]!r}")
+        name, arguments = call["name"], call.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise bad(f"the call's arguments are not a JSON object: {text[:80]!r}")
+    return name, arguments
+
+
+def _strict_json(text: str) -> Any:
+    """JSON, without the NaN and Infinity that Python's json reads and JSON has not."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _around(text: str, part: str, width: int = 30) -> str:
+    at = text.find(part)
+    return text[max(0, at - width):at + len(part) + width]
 
 
 def _history(value: Any, where: str) -> list[dict]:
