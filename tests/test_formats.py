@@ -628,7 +628,7 @@ def test_unpaired_preference_rows_labelled_false_are_not_trained(tmp_path):
 def test_unpaired_preference_labels_as_text_in_a_csv(tmp_path):
     """A CSV of KTO rows (pandas' to_csv of trl-lib/kto-mix-14k's prompt, completion, label) holds each label as the
     text "True"/"False": only a real false was left out, so every completion labelled "False" trained. Text labels
-    read as the bools they write; a label that is neither is a bad record, not trained."""
+    read as the bools they write; a label that is neither (a class name, an empty cell) is not KTO's: the row trains."""
     rows = [("Sky?", "Blue.", "True"), ("Sky?", "Cheese.", "False"), ("Sea?", "Wet.", "true"),
             ("Sea?", "Dry.", "false"), ("Sun?", "Hot.", "maybe"), ("Sun?", "Cold.", "")]
     with open(tmp_path / "kto.csv", "w", newline="") as f:
@@ -636,12 +636,9 @@ def test_unpaired_preference_labels_as_text_in_a_csv(tmp_path):
         w.writerow(["prompt", "completion", "label"])
         w.writerows(rows)
     got = examples(SourceConfig(path=str(tmp_path / "kto.csv")))
-    assert [e.messages[-1]["content"] for e in got if isinstance(e, Example)] == ["Blue.", "Wet."]
+    assert [e.messages[-1]["content"] for e in got if isinstance(e, Example)] == ["Blue.", "Wet.", "Hot.", "Cold."]
     assert [(e.where.rsplit(":", 1)[1], e.reason) for e in got if isinstance(e, RecordError)] == [
-        ("3", "undesirable_completion"), ("5", "undesirable_completion"), ("6", "bad_value"), ("7", "bad_value")]
-    assert not isinstance(got[4], Skipped)  # raised under on_error: raise, not dropped as the format's own
-    assert str(got[4]) == (f"{tmp_path / 'kto.csv'}:6: label: expected true or false (TRL's unpaired preference "
-                           "(KTO) label: false marks a completion not to learn, left out), got 'maybe'")
+        ("3", "undesirable_completion"), ("5", "undesirable_completion")]
 
 
 def test_paired_preference_data_says_how_to_train_its_chosen_answers(tmp_path):

@@ -10,7 +10,8 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      example per instance (where: `file:N instance K`; data.eval_fraction holds a row's out together)
   prompt_completion  {"prompt", "completion", "system"?, "tools"?}; a row of TRL's unpaired preference (KTO) data
                      with `"label": false` (a completion not to learn) is left out, counted as undesirable_completion;
-                     the label may be text, a CSV's "True"/"false", and any other value of it is a bad record
+                     the label may be text, a CSV's "True"/"false" (a label of any other value is not KTO's:
+                     the row trains)
   capybara           {"conversation": [{"input", "output"}, ...]} (LDJnr/Capybara, LDJnr/Pure-Dove; `conversations`
                      too): each pair a user turn (input) and the assistant's answer (output)
   glaive             glaiveai/glaive-function-calling-v2's {"system", "chat"}: the chat one string of turns, "USER: ",
@@ -516,7 +517,7 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
         # by the tree's id: a tree in two rows of the source is one group too; without an id, its row
         group = f"message_tree_id {tree}" if isinstance(tree, str) else where
         return _oasst_threads(root, where, group, top1=fmt == "oasst_top1")
-    if fmt == "prompt_completion" and row.get("label") is not None and not _kto_label(row["label"], where):
+    if fmt == "prompt_completion" and not _kto_label(row.get("label")):
         return [Skipped(where, "label", UNDESIRABLE_COMPLETION, "false: TRL's unpaired preference (KTO) marks this "
                         "completion as one not to learn")]
     name = columns.get("instances", "instances")
@@ -530,14 +531,13 @@ def to_examples(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, s
 KTO_LABEL_TEXT = {"true": True, "false": False}
 
 
-def _kto_label(value: Any, where: str) -> bool:
-    """A row's TRL unpaired preference (KTO) label: a bool, or its text ("True", "false": a CSV cell)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in KTO_LABEL_TEXT:
-        return KTO_LABEL_TEXT[value.strip().lower()]
-    raise RecordError(where, "label", BAD_VALUE, f"expected true or false (TRL's unpaired preference (KTO) label: "
-                      f"false marks a completion not to learn, left out), got {value!r:.60}")
+def _kto_label(value: Any) -> bool:
+    """Whether a prompt-completion row trains, by its `label`: TRL's unpaired preference (KTO) label, a bool or its
+    text ("True", "false": a CSV cell), false for a completion not to learn. Any other label (a class name, a number,
+    an empty cell) is not KTO's, and the row trains as its other columns say, as any column the format does not read."""
+    if isinstance(value, str):
+        value = KTO_LABEL_TEXT.get(value.strip().lower(), value)
+    return value is not False
 
 
 def _instances(row: dict, name: str, columns: dict[str, str], roles: dict[str, str],
