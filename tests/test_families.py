@@ -15,8 +15,8 @@ from gapless.model.loading import model_args_from_config
 TEXT_FAMILIES = [name for name, f in FAMILIES.items() if not f.text_config]
 MINIMAL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
                num_key_value_heads=2)
-# fields that shape no computation (special tokens, and the context a yarn/llama3 RoPE falls back to)
-UNUSED = dict(max_position_embeddings=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# fields that shape no computation (special tokens)
+UNUSED = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def _hf_config(model_type: str, **config):
@@ -94,6 +94,14 @@ def test_gemma3_config_forms_read_alike():
 def test_config_mistakes_name_the_field(config, message):
     with pytest.raises(ValueError, match=message):
         model_args_from_config({**MINIMAL, **config} if config["model_type"] != "gemma3" else config)
+
+
+def test_gemma3_image_text_context_left_out_is_the_config_classes():
+    # google/gemma-3-4b-it's text_config names no max_position_embeddings: transformers reads 131,072, which the
+    # max_seq_len warning and generation's limit compare against
+    config = {"model_type": "gemma3", "text_config": {"hidden_size": 64, "intermediate_size": 96,
+                                                      "num_hidden_layers": 7}}
+    assert model_args_from_config(config).max_position_embeddings == 131072
 
 
 def test_explicit_nulls_mean_none_as_in_transformers():

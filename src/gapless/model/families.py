@@ -78,14 +78,15 @@ class Family:
         assert set(self.bias) | set(self.attention_bias_on) | set(self.mlp_bias_on) <= set(self.projections)
 
 
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "max_position_embeddings": 2048}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _GEMMA = dict(norm="one_plus_weight", activation="gelu_tanh", activation_field="hidden_activation", embed_scale=True,
               sandwich_norms=True, query_scale_field="query_pre_attn_scalar", attention_bias_on=_ATTENTION,
               windows="layer_types")
 _GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
-                   "sliding_window": 4096}
+                   "sliding_window": 4096, "max_position_embeddings": 8192}
 # Gemma3TextConfig's sizes: an image-text config saved by transformers 4.x writes only the text_config fields that
 # differ from the defaults (google/gemma-3-4b-it's names no vocab_size, heads, KV heads or head_dim), and transformers
 # reads the rest as these. Top-level configs are saved whole, so the text-only families need none.
@@ -94,19 +95,23 @@ _GEMMA3_TEXT_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_s
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", attention_bias_on=_ATTENTION, mlp_bias_on=_MLP, defaults=_LLAMA_DEFAULTS),
-    Family("mistral", windows="every_layer", defaults={**_LLAMA_DEFAULTS, "sliding_window": 4096}),
+    Family("mistral", windows="every_layer",
+           defaults={**_LLAMA_DEFAULTS, "sliding_window": 4096, "max_position_embeddings": 131072}),
     Family("qwen2", bias=("q_proj", "k_proj", "v_proj"), windows="use_sliding_window",
-           defaults={**_LLAMA_DEFAULTS, "sliding_window": 4096, "max_window_layers": 28}),
+           defaults={**_LLAMA_DEFAULTS, "sliding_window": 4096, "max_window_layers": 28,
+                     "max_position_embeddings": 32768}),
     Family("qwen3", qk_norm=True, attention_bias_on=_ATTENTION, windows="use_sliding_window",
-           defaults={**_LLAMA_DEFAULTS, "head_dim": 128, "sliding_window": 4096, "max_window_layers": 28}),
+           defaults={**_LLAMA_DEFAULTS, "head_dim": 128, "sliding_window": 4096, "max_window_layers": 28,
+                     "max_position_embeddings": 32768}),
     Family("gemma2", **_GEMMA, window_pattern=2, attn_softcap=True, final_softcap=True,
            defaults={**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     Family("gemma3_text", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, final_softcap=True,
-           defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0}),
+           defaults={**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+                     "max_position_embeddings": 131072}),
     Family("gemma3", **_GEMMA, qk_norm=True, window_pattern=6, local_rope=True, text_config=True,
            checkpoint_prefix="language_model.", decoder_module="model.language_model",
            defaults={**_GEMMA_DEFAULTS, **_GEMMA3_TEXT_SIZES, "rope_theta": 1_000_000.0,
-                     "rope_local_base_freq": 10000.0}),
+                     "rope_local_base_freq": 10000.0, "max_position_embeddings": 131072}),
 )}
 
 

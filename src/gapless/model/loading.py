@@ -182,7 +182,10 @@ def model_args_from_config(config: dict, where: str = "config.json") -> ModelArg
         head_dim = hidden // heads
     if head_dim % 2:
         raise f.error("head_dim", f"RoPE needs an even head dimension, got {head_dim}")
-    max_positions = f.integer("max_position_embeddings", None)
+    # transformers' default where it is left out (google/gemma-3-4b-it's text_config names none, and reads 131,072);
+    # null is none, as the config class keeps it
+    max_positions = f.integer("max_position_embeddings", None if "max_position_embeddings" in config
+                              else defaults["max_position_embeddings"])
     rope_theta, rope_scaling, local_theta = _read_rope(f, fam, max_positions)
 
     # the special tokens: the decoder's, else the top level's (Gemma 3's image-text configs keep eos_token_id [1, 106],
