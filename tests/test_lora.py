@@ -124,6 +124,9 @@ def test_peft_adapter_with_a_regex_target_loads_in_gapless(hf_checkpoint, tmp_pa
     # orthogonal and EVA initialisation choose A's and B's starting values only: the adapter is plain LoRA on the
     # unchanged base (gapless refused them with PiSSA's kind, which rewrites the base)
     ({"init_lora_weights": "orthogonal"}, ["q_proj", "v_proj"]),
+    # peft 0.22's NoRA and MiCA (peft/tuners/lora/layer.py nora_init, mica_init) leave the base unchanged too
+    ({"init_lora_weights": "nora"}, ["q_proj", "v_proj"]),
+    ({"init_lora_weights": "mica"}, ["q_proj", "v_proj"]),
     ({"init_lora_weights": "eva", "target_modules": ["q_proj", "v_proj", "o_proj"], "exclude_modules": ["o_proj"]},
      ["q_proj", "v_proj"]),
     ({"target_modules": "all-linear", "exclude_modules": r".*\.mlp\..*"}, ["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -44,9 +44,11 @@ _INFORMATIONAL = {"peft_type", "task_type", "auto_mapping", "peft_version", "bas
 _READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "use_rslora", "bias",
          "init_lora_weights", "fan_in_fan_out"}
 # init_lora_weights values whose adapters are plain LoRA on the unchanged base: they only choose A's and B's starting
-# values (EVA: A from activations' SVD, B zero; orthogonal: A and B from one orthogonal matrix). PiSSA, OLoRA, CorDA,
-# LoftQ and LoRA-GA instead rewrite the base weights at initialisation, which the adapter's file does not hold.
-_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+# values (EVA: A from activations' SVD, B zero; orthogonal: A and B from one orthogonal matrix; peft 0.22's NoRA: A's
+# columns normalised, B zero; MiCA: B from the base weight's last singular vectors, A zero, B frozen in training).
+# PiSSA, OLoRA, CorDA, Astra, LoftQ and LoRA-GA instead rewrite the base weights at initialisation, which the
+# adapter's file does not hold.
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "nora", "mica")
 
 
 class LoraLinear(nn.Module):
