@@ -105,6 +105,41 @@ def test_cli_chat_keeps_the_conversation(trained, capsys, monkeypatch):
     assert out.count("model> ") == 2
 
 
+# what real adapter folders hold beside adapter_config.json: a training script's config
+# (Adarsh5557/qwen7b-finetuned-Smart-MCQ-Solver's config.yaml) and an Unsloth user's config.json
+# (DeveloperZeeshu/Nano_R1-model's, the base's fields and a "lora" section), both shortened
+BESIDE_ADAPTER = {
+    "config.yaml": 'model:\n  name: "Qwen/Qwen2.5-7B-Instruct"\n  save_path: "./checkpoints/first_mcq_lora_realval-1"\n'
+                   "lora:\n  r: 16\n  alpha: 32\n  dropout: 0.05\nseed: 42\n",
+    "config.json": json.dumps({"_name_or_path": "unsloth/qwen2.5-3b-instruct-unsloth-bnb-4bit",
+                               "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 2048,
+                               "unsloth_fixed": True, "lora": {"lora_alpha": 64, "lora_dropout": 0}}),
+}
+
+
+@pytest.mark.parametrize("beside", list(BESIDE_ADAPTER))
+def test_an_adapter_folder_with_a_config_beside_is_the_adapter(trained, tmp_path, capsys, beside):
+    """A PEFT adapter folder that also holds a config.yaml was read as a gapless run (its config refused), one with a
+    config.json as a model folder (no weights); it is the adapter on its base_model_name_or_path, as transformers'
+    from_pretrained reads it."""
+    import peft
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained["base"])
+    reference = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        init_lora_weights=False)).eval()  # B random: not a no-op
+    reference.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / beside).write_text(BESIDE_ADAPTER[beside])
+    loaded = load_for_generation(tmp_path / "adapter", device="cpu")
+    assert loaded.what.startswith(f"adapter {tmp_path / 'adapter'} on ")
+    ids = torch.tensor([[1, 3, 10, 11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), reference(ids).logits, atol=1e-4, rtol=0)
+    assert main(["generate", str(tmp_path / "adapter"), "--prompt", "shift: abcd", "--max-new-tokens", "4",
+                 "--device", "cpu"]) == 0
+    assert "loaded adapter" in capsys.readouterr().err
+
+
 def test_a_full_fine_tuning_run_generates_and_evaluates_with_its_model(trained, capsys):
     """A full fine-tuning run's final save is model/ (an HF folder), not adapter/: generate, chat and eval on the run
     folder load it (they said 'the run has no adapter/ yet')."""

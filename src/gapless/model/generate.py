@@ -170,8 +170,14 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
     from gapless.model.method import method_of
 
     source = Path(source)
-    run_dir = source if (source / "config.yaml").is_file() and not (source / "config.json").is_file() else None
-    if (source / ADAPTER_CONFIG).is_file() and source.name == "adapter" and (source.parent / "config.yaml").is_file():
+    # a folder with adapter_config.json is a PEFT adapter whatever lies beside it (a gapless run keeps its adapter in
+    # adapter/): a training script's own config.yaml (Adarsh5557/qwen7b-finetuned-Smart-MCQ-Solver) or a config.json
+    # (DeveloperZeeshu/Nano_R1-model) made it a run or a model folder; transformers' from_pretrained also reads such a
+    # folder as the adapter on its base_model_name_or_path
+    is_adapter = (source / ADAPTER_CONFIG).is_file()
+    run_dir = source if (source / "config.yaml").is_file() and not (source / "config.json").is_file() \
+        and not is_adapter else None
+    if is_adapter and source.name == "adapter" and (source.parent / "config.yaml").is_file():
         run_dir = source.parent  # RUN/adapter: the run's final save, built as the run built it
     cfg = method = None
     adapter_dir = tokenizer_dir = None
@@ -198,11 +204,11 @@ def load_for_generation(source: str | Path, *, device: str = "auto", dtype: str 
         if unquantised_base and method.quantised_base is None:
             warnings.warn(f"--unquantised-base is ignored: {run_dir} is a {method.name} run, whose base is not "
                           "quantised", stacklevel=2)
-    elif (source / "config.json").is_file():
-        base_dir, tokenizer_dir = source, source
-    elif (source / ADAPTER_CONFIG).is_file():
+    elif is_adapter:
         adapter_dir = source
         base_dir = Path(base or json.loads((source / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
+    elif (source / "config.json").is_file():
+        base_dir, tokenizer_dir = source, source
     elif not source.exists():
         raise ValueError(f"{source}: not found; give a run folder, an adapter folder or a model folder")
     elif (source / "manifest.json").is_file():
