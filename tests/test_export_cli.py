@@ -146,6 +146,33 @@ def test_export_merged_has_the_adapted_logits(setup, run, tmp_path, source):
         torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("template_in", ["chat_template.jinja", "tokenizer_config.json"])
+def test_export_of_a_peft_adapter_keeps_the_tokenizer_saved_with_it(setup, tmp_path, merge, template_in):
+    """A PEFT adapter folder with the tokenizer it was trained with beside it (TRL's trainer saves it there: a
+    Qwen2.5-72B SFT_LoRA folder holds tokenizer.json, tokenizer_config.json, vocab.json... beside adapter_config.json;
+    here with a chat template the base lacks, in its own file or, as transformers 4 saved it, in
+    tokenizer_config.json): export wrote the base's tokenizer instead, the one `gapless generate ADAPTER` does not
+    use."""
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = tmp_path / "checkpoint-12"
+    hf = AutoModelForCausalLM.from_pretrained(str(setup["base"]))
+    peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])).save_pretrained(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(str(setup["base"]))
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    tokenizer.save_pretrained(adapter)
+    if template_in == "tokenizer_config.json":
+        config = json.loads((adapter / "tokenizer_config.json").read_text())
+        (adapter / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": tokenizer.chat_template}))
+        (adapter / "chat_template.jinja").unlink()
+    assert (setup["base"] / "chat_template.jinja").is_file()  # the base's, which a merged folder held beside
+    out = tmp_path / "out"
+    assert cli.main(["export", str(adapter), "--out", str(out), *(["--merge"] if merge else [])]) == 0
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template
+
+
 def test_export_merged_dtype(setup, run, tmp_path):
     out = tmp_path / "bf16"
     assert cli.main(["export", str(run), "--merge", "--dtype", "bfloat16", "--out", str(out)]) == 0

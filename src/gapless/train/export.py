@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from gapless.config import RunConfig, from_dict, read_yaml
-from gapless.model.export import copy_tokenizer_files, save_pretrained
+from gapless.model.export import COPIED_FILES, copy_tokenizer_files, save_pretrained
 from gapless.model.loading import build, load_model, load_weights, resolve_dtype
 from gapless.model.lora import ADAPTER_CONFIG, load_adapter, merge_lora, read_adapter_config, save_adapter
 from gapless.model.method import Qlora, method_of
@@ -56,6 +56,10 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
         assert cfg is not None
         base_path = Path(cfg.model.path)
     tokenizer_dir = Path(cfg.data.tokenizer or cfg.model.path) if cfg is not None else base_path
+    if cfg is None and adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file():
+        # the tokenizer a PEFT adapter was trained with, saved beside it (TRL's trainer and Unsloth save it there,
+        # with the chat template the training set): the one `gapless generate ADAPTER` reads; the base's was written
+        tokenizer_dir = adapter_dir
 
     merged_dtype = resolve_dtype(dtype, None) if dtype else None
     if adapter_dir is None and checkpoint is None:  # a full run's final HF folder, in the dtype asked for
@@ -97,5 +101,10 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
     model = merge_lora(model)
     target = merged_dtype or resolve_dtype("auto", model.config_dict)
     save_pretrained(model.to(target), out, source_dir=base_path)
+    if tokenizer_dir == adapter_dir:
+        # the adapter's tokenizer whole, not over the base's files save_pretrained copied: a base's
+        # chat_template.jinja left there wins over the template in the adapter's tokenizer_config.json
+        for name in set(COPIED_FILES) - {"generation_config.json", "preprocessor_config.json", "processor_config.json"}:
+            (out / name).unlink(missing_ok=True)
     copy_tokenizer_files(tokenizer_dir, out)
     return out
