@@ -194,6 +194,8 @@ def test_merged_folder_loads_in_transformers(hf_checkpoint, tmp_path, model_type
     ({"modules_to_save": ["lm_head"]}, r"modules_to_save=\['lm_head'\]"),
     ({"rank_pattern": {"q_proj": 8}}, "rank_pattern="),
     ({"layers_to_transform": [0]}, r"layers_to_transform=\[0\]"),
+    # an int is one layer's index (peft's check_target_module_exists); 0 passed as unset, silently
+    ({"layers_to_transform": 0}, "layers_to_transform=0"),
     ({"bias": "all"}, "bias='all'"),
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"an_option_from_a_later_peft": 1}, "an_option_from_a_later_peft=1"),

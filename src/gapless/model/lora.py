@@ -337,7 +337,9 @@ def read_adapter_config(adapter_dir: str | Path, model: nn.Module) -> LoraConfig
         raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported; gapless loads LORA adapters")
     if raw.get("task_type") not in (None, "CAUSAL_LM"):
         raise ValueError(f"{path}: task_type {raw['task_type']!r} is not supported; gapless loads CAUSAL_LM adapters")
-    refused = [k for k, v in raw.items() if k not in _INFORMATIONAL | _READ and v not in (None, False, {}, [], "")]
+    # an unset option is null, false or empty; 0 is a value (layers_to_transform 0: PEFT adapts layer 0 alone)
+    refused = [k for k, v in raw.items() if k not in _INFORMATIONAL | _READ
+               and not (v is None or v is False or (isinstance(v, (dict, list, str)) and not v))]
     if raw.get("bias", "none") != "none":
         refused.append("bias")
     if raw.get("fan_in_fan_out"):
