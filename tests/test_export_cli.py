@@ -173,6 +173,28 @@ def test_export_of_a_peft_adapter_keeps_the_tokenizer_saved_with_it(setup, tmp_p
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template
 
 
+def test_merged_export_of_a_run_keeps_its_data_tokenizer(setup, tmp_path):
+    """A run whose data.tokenizer is not the base's (here the base's with another chat template, in
+    tokenizer_config.json as transformers 4 saved it): the merged folder held the base's chat_template.jinja beside it,
+    which transformers reads first, so the merged model chatted in the base's template, not the trained one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(setup["base"]))
+    # the base's template without its bos token (every piece still in the demo tokenizer's word vocabulary)
+    template = (setup["base"] / "chat_template.jinja").read_text().replace("{{ bos_token }}", "")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (tmp_path / "tok" / "chat_template.jinja").unlink()
+    assert (setup["base"] / "chat_template.jinja").is_file()
+    run = tmp_path / "run"
+    assert cli.main(["train", str(setup["config"]), f"output_dir={run}", f"data.tokenizer={tmp_path / 'tok'}",
+                     f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2"]) == 0
+    assert cli.main(["export", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "merged")).chat_template == template
+
+
 def test_export_merged_dtype(setup, run, tmp_path):
     out = tmp_path / "bf16"
     assert cli.main(["export", str(run), "--merge", "--dtype", "bfloat16", "--out", str(out)]) == 0

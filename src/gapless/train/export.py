@@ -91,7 +91,7 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
                     model.get_parameter(name).copy_(master)
             save_pretrained(model.to(merged_dtype or resolve_dtype("auto", model.config_dict)), out,
                             source_dir=base_path)
-            copy_tokenizer_files(tokenizer_dir, out)
+            _tokenizer_over_the_bases(tokenizer_dir, base_path, out)
             return out
 
     if not merge:
@@ -101,10 +101,15 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, dtype: s
     model = merge_lora(model)
     target = merged_dtype or resolve_dtype("auto", model.config_dict)
     save_pretrained(model.to(target), out, source_dir=base_path)
-    if tokenizer_dir == adapter_dir:
-        # the adapter's tokenizer whole, not over the base's files save_pretrained copied: a base's
-        # chat_template.jinja left there wins over the template in the adapter's tokenizer_config.json
+    _tokenizer_over_the_bases(tokenizer_dir, base_path, out)
+    return out
+
+
+def _tokenizer_over_the_bases(tokenizer_dir: Path, base_path: Path, out: Path) -> None:
+    """The tokenizer the model trained with (a run's data.tokenizer, a PEFT adapter's own) written whole in place of
+    the base's files that save_pretrained copied into `out`: a base's chat_template.jinja left there wins over the
+    template in the other tokenizer's tokenizer_config.json (transformers reads the .jinja file first)."""
+    if tokenizer_dir.resolve() != base_path.resolve():
         for name in set(COPIED_FILES) - {"generation_config.json", "preprocessor_config.json", "processor_config.json"}:
             (out / name).unlink(missing_ok=True)
     copy_tokenizer_files(tokenizer_dir, out)
-    return out
