@@ -24,11 +24,13 @@ takes as it is (QLoraLinear.load_stored_: the run trains on the codes the file h
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -88,42 +90,51 @@ def fold(headers: dict[str, tuple[Path, tuple[int, ...]]]
     if not states:
         return headers, {}
     stored: dict[str, StoredParts] = {}
-    for state_key in states:
-        key, _, kind = state_key.partition(QUANT_STATE)
-        path = headers[state_key][0]
-        if kind not in QUANT_TYPES:
-            raise ValueError(f"{path}: {state_key}: bitsandbytes quant type {kind!r} is not one of "
-                             f"{', '.join(QUANT_TYPES)}")
-        if key not in headers:
-            raise ValueError(f"{path}: {state_key} has no quantised weight {key} beside it")
-        try:
-            with safe_open(path, framework="pt") as st:
-                state = json.loads(bytes(st.get_tensor(state_key).tolist()))
-        except (SafetensorError, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: {state_key}: not a readable bitsandbytes quant state: {e}") from None
-        shape = state.get("shape") if isinstance(state, dict) else None
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)
-                and isinstance(state.get("blocksize"), int) and state.get("dtype") in _DTYPES):
-            raise ValueError(f"{path}: {state_key}: expected a JSON object with a shape (a list of sizes), an "
-                             f"integer blocksize and a dtype ({', '.join(_DTYPES)}); got {state!r}")
-        parts = [".absmax", ".quant_map"] + ([".nested_absmax", ".nested_quant_map"]
-                                             if "nested_blocksize" in state else [])
-        missing = [key + p for p in parts if key + p not in headers]
-        if missing:
-            raise ValueError(f"{path}: the 4-bit weight {key} lacks {', '.join(missing)} (a bitsandbytes "
-                             "checkpoint saves them beside it)")
-        stored[key] = StoredParts({"": (headers[key][0], key), **{p: (headers[key + p][0], key + p) for p in parts}},
-                                  {**state, "quant_type": kind})
-    dropped = {state_key for state_key in states} | {k + p for k in stored for p in PARTS}
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}  # each shard opened once (a 3B checkpoint holds 196 quant states)
+        for state_key in states:
+            key, _, kind = state_key.partition(QUANT_STATE)
+            path = headers[state_key][0]
+            if kind not in QUANT_TYPES:
+                raise ValueError(f"{path}: {state_key}: bitsandbytes quant type {kind!r} is not one of "
+                                 f"{', '.join(QUANT_TYPES)}")
+            if key not in headers:
+                raise ValueError(f"{path}: {state_key} has no quantised weight {key} beside it")
+            try:
+                if path not in opened:
+                    opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+                state = json.loads(bytes(opened[path].get_tensor(state_key).tolist()))
+            except (SafetensorError, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: {state_key}: not a readable bitsandbytes quant state: {e}") from None
+            stored[key] = _parts(key, kind, state, headers, path, state_key)
+    dropped = set(states) | {k + p for k in stored for p in PARTS}
     logical = {key: ((path, stored[key].shape) if key in stored else (path, shape))
                for key, (path, shape) in headers.items() if key not in dropped}
     return logical, stored
 
 
+def _parts(key: str, kind: str, state: Any, headers: dict[str, tuple[Path, tuple[int, ...]]], path: Path,
+           state_key: str) -> StoredParts:
+    """The StoredParts of the weight `key` from its quant state (read from `state_key` in `path`), checked."""
+    shape = state.get("shape") if isinstance(state, dict) else None
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)
+            and isinstance(state.get("blocksize"), int) and state.get("dtype") in _DTYPES):
+        raise ValueError(f"{path}: {state_key}: expected a JSON object with a shape (a list of sizes), an "
+                         f"integer blocksize and a dtype ({', '.join(_DTYPES)}); got {state!r}")
+    parts = [".absmax", ".quant_map"] + ([".nested_absmax", ".nested_quant_map"] if "nested_blocksize" in state
+                                         else [])
+    missing = [key + p for p in parts if key + p not in headers]
+    if missing:
+        raise ValueError(f"{path}: the 4-bit weight {key} lacks {', '.join(missing)} (a bitsandbytes "
+                         "checkpoint saves them beside it)")
+    return StoredParts({"": (headers[key][0], key), **{p: (headers[key + p][0], key + p) for p in parts}},
+                       {**state, "quant_type": kind})
+
+
 @dataclass
 class StoredNF4:
     """A bitsandbytes 4-bit weight as read, on the device the loader reads to (the module docstring's parts)."""
-    codes: Tensor  # uint8 [n / 2]
+    codes: Tensor  # uint8 [ceil(n / 2)]
     absmax: Tensor  # uint8 (double quantisation) or float32 [ceil(n / blocksize)]
     quant_map: Tensor  # float32 [16]
     nested_absmax: Tensor | None  # float32 [ceil(n / blocksize / nested_blocksize)]
