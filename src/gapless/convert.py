@@ -464,6 +464,56 @@ def _batch(c: _Converter, batch_key: str, seq: int, packing: bool, default: int,
             c.put(batch_key, dotted, value, how)
 
 
+def _trainer_arguments(c: _Converter, lr: float, who: str, adapter: bool) -> str:
+    """TrainingArguments' keys as TRL's SFTConfig and LLaMA-Factory take them (`lr`: the peer's default learning rate,
+    `who` names it; `adapter`: the config trains LoRA or QLoRA); returns the evaluation strategy."""
+    raw = c.raw
+    _one_to_one(c, SHARED_KEYS)
+    _harmless(c)
+    if not c.has("learning_rate"):
+        _default(c, "learning_rate", "optim.lr", lr, who)
+    _schedule(c, "lr_scheduler_type")
+    if "lr_scheduler_type" not in raw:
+        _default(c, "lr_scheduler_type", "schedule.kind", "linear", "TrainingArguments")
+    _warmup(c, "lr_scheduler_type")
+    if c.has("num_train_epochs"):
+        c.put("num_train_epochs", "train.epochs", float(c.get("num_train_epochs")))
+    else:
+        _default(c, "num_train_epochs", "train.epochs", 3.0, "TrainingArguments")
+    if c.has("max_steps"):
+        if int(c.get("max_steps")) > 0:
+            c.put("max_steps", "train.steps", int(c.get("max_steps")))
+        else:
+            c.note("max_steps", "-1: the epochs decide")
+    _optimizer(c, "optim", adapter=adapter)
+    strategy = c.get("save_strategy", "steps")
+    if strategy == "steps" and c.has("save_steps"):
+        _steps(c, "save_steps", "checkpoint.every")
+    elif strategy == "no":
+        c.put("save_strategy", "checkpoint.every", 0)
+    elif strategy == "epoch":
+        c.put("save_strategy", "checkpoint.per_epoch", 1, "a checkpoint per pass over the data")
+    elif strategy not in ("steps",):
+        c.refuse("save_strategy", "gapless saves every N steps or N times per epoch (save_strategy: steps or epoch)")
+    if strategy in ("no", "epoch") and c.has("save_steps"):
+        c.note("save_steps", f"unused: save_strategy is {strategy}")
+    eval_key = "eval_strategy" if "eval_strategy" in c.raw else "evaluation_strategy"  # the name before 4.46
+    eval_strategy = c.get(eval_key, "no")
+    if eval_strategy == "steps" and c.has("eval_steps"):
+        _steps(c, "eval_steps", "train.eval_every")
+    elif eval_strategy == "epoch":
+        # gapless evaluates held-out data only: an override (data.eval_fraction, data.eval_sources) gives it
+        c.put(eval_key, "train.evals_per_epoch", 1, "an evaluation per pass over the data")
+    elif eval_strategy not in ("no", "steps"):
+        c.refuse(eval_key, "gapless evaluates every N steps or N times per epoch (eval_strategy: steps or epoch)")
+    if c.has("eval_steps") and eval_strategy in ("no", "epoch"):
+        c.note("eval_steps", f"unused: {eval_key} is {eval_strategy}")
+    if c.get("logging_strategy", "steps") != "steps":
+        c.refuse("logging_strategy", "gapless logs every N steps (logging_steps)")
+    _trl_report_to(c)
+    return eval_strategy
+
+
 # ---------------------------------------------------------------------------------------------
 # Axolotl
 
@@ -938,28 +988,11 @@ def convert_trl(raw: dict) -> Conversion:
     elif "padding_free" in raw:
         c.note("padding_free", "off")
     _batch(c, "per_device_train_batch_size", seq, packing, 8, "TrainingArguments")
-    _one_to_one(c, SHARED_KEYS)
-    _harmless(c)
+    eval_strategy = _trainer_arguments(c, 2e-5, "SFTConfig", adapter=bool(c.raw.get("use_peft")))
     # preprocessing_num_workers: the alignment-handbook's name for it before TRL's dataset_num_proc
     for key in ("dataset_num_proc", "preprocessing_num_workers"):
         if c.has(key):
             c.put(key, "data.num_workers", int(c.get(key)))
-    if not c.has("learning_rate"):
-        _default(c, "learning_rate", "optim.lr", 2e-5, "SFTConfig")
-    _schedule(c, "lr_scheduler_type")
-    if "lr_scheduler_type" not in raw:
-        _default(c, "lr_scheduler_type", "schedule.kind", "linear", "TrainingArguments")
-    _warmup(c, "lr_scheduler_type")
-    if c.has("num_train_epochs"):
-        c.put("num_train_epochs", "train.epochs", float(c.get("num_train_epochs")))
-    else:
-        _default(c, "num_train_epochs", "train.epochs", 3.0, "TrainingArguments")
-    if c.has("max_steps"):
-        if int(c.get("max_steps")) > 0:
-            c.put("max_steps", "train.steps", int(c.get("max_steps")))
-        else:
-            c.note("max_steps", "-1: the epochs decide")
-    _optimizer(c, "optim", adapter=bool(c.raw.get("use_peft")))
     _precision(c)
     # torch_dtype is the dtype the weights load in; bf16 / fp16 train under that autocast whatever it is (the
     # handbook's zephyr LoRA recipe: float16 weights, bfloat16 matmuls). gapless computes in model.dtype and keeps
@@ -979,31 +1012,6 @@ def convert_trl(raw: dict) -> Conversion:
             c.put("gradient_checkpointing", "model.activation_checkpointing", 1, "every layer")
         else:
             c.note("gradient_checkpointing", "off")
-    strategy = c.get("save_strategy", "steps")
-    if strategy == "steps" and c.has("save_steps"):
-        _steps(c, "save_steps", "checkpoint.every")
-    elif strategy == "no":
-        c.put("save_strategy", "checkpoint.every", 0)
-    elif strategy == "epoch":
-        c.put("save_strategy", "checkpoint.per_epoch", 1, "a checkpoint per pass over the data")
-    elif strategy not in ("steps",):
-        c.refuse("save_strategy", "gapless saves every N steps or N times per epoch (save_strategy: steps or epoch)")
-    if strategy in ("no", "epoch") and c.has("save_steps"):
-        c.note("save_steps", f"unused: save_strategy is {strategy}")
-    eval_key = "eval_strategy" if "eval_strategy" in c.raw else "evaluation_strategy"  # the name before 4.46
-    eval_strategy = c.get(eval_key, "no")
-    if eval_strategy == "steps" and c.has("eval_steps"):
-        _steps(c, "eval_steps", "train.eval_every")
-    elif eval_strategy == "epoch":
-        # gapless evaluates held-out data only: an override (data.eval_fraction, data.eval_sources) gives it
-        c.put(eval_key, "train.evals_per_epoch", 1, "an evaluation per pass over the data")
-    elif eval_strategy not in ("no", "steps"):
-        c.refuse(eval_key, "gapless evaluates every N steps or N times per epoch (eval_strategy: steps or epoch)")
-    if c.has("eval_steps") and eval_strategy in ("no", "epoch"):
-        c.note("eval_steps", f"unused: {eval_key} is {eval_strategy}")
-    if c.get("logging_strategy", "steps") != "steps":
-        c.refuse("logging_strategy", "gapless logs every N steps (logging_steps)")
-    _trl_report_to(c)
     # the data: one local source
     dataset = c.get("dataset_name")
     source: dict = {}
