@@ -12,6 +12,7 @@ from gapless import demo_task
 from gapless.cli import main
 from gapless.config import ALL_LINEAR, from_dict, RunConfig
 from gapless.convert import check_local, check_run_paths, convert, detect, load_any
+from gapless.data.chat_templates import TEMPLATES
 from gapless.demo import write_base_model
 from gapless.train.loop import train
 
@@ -884,3 +885,206 @@ def test_trl_preprocessing_num_workers_is_the_tokenizer_workers(files):
     raw = yaml.safe_load(HANDBOOK_ZEPHYR_LORA.format(**{**files, "chat": files["trl_chat"]}, out="x"))
     cfg = from_dict(RunConfig, convert({**raw, "preprocessing_num_workers": 12}).config)
     assert cfg.data.num_workers == 12
+
+
+# LLaMA-Factory's examples/train_lora/llama3_lora_sft.yaml (hiyouga/LLaMA-Factory), trimmed to the tiny model and
+# a few steps; its datasets are named in dataset_info.json, as data/dataset_info.json there describes them
+LLAMAFACTORY = """
+### model
+model_name_or_path: {model}
+trust_remote_code: true
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 4
+lora_target: all
+
+### dataset
+dataset: identity,chat_demo
+dataset_dir: {dataset_dir}
+template: llama3
+cutoff_len: 64
+max_samples: 1000
+overwrite_cache: true
+preprocessing_num_workers: 0
+
+### output
+output_dir: {out}
+logging_steps: 1
+save_steps: 3
+plot_loss: true
+overwrite_output_dir: true
+report_to: none
+
+### train
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 1
+learning_rate: 1.0e-4
+num_train_epochs: 1.0
+max_steps: 3
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+bf16: true
+ddp_timeout: 180000000
+resume_from_checkpoint: null
+
+### eval
+val_size: 0.1
+per_device_eval_batch_size: 1
+eval_strategy: steps
+eval_steps: 2
+"""
+
+
+@pytest.fixture(scope="module")
+def lf_dir(files) -> Path:
+    """A dataset_dir: dataset_info.json (entries as in LLaMA-Factory's data/dataset_info.json: identity's alpaca file,
+    mllm_demo's OpenAI-style sharegpt tags, ultrachat_200k's hub entry) and the local files it names."""
+    folder = files["root"] / "lf_data"
+    folder.mkdir(exist_ok=True)
+    (folder / "identity.json").write_text(files["alpaca"].read_text())
+    (folder / "chat.jsonl").write_text(files["trl_chat"].read_text())
+    info = {"identity": {"file_name": "identity.json"},
+            "chat_demo": {"file_name": "chat.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+                          "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                   "assistant_tag": "assistant"}},
+            "speakers": {"file_name": "speakers.jsonl", "formatting": "sharegpt",
+                         "columns": {"messages": "conversation"},
+                         "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "human",
+                                  "assistant_tag": "bot"}},
+            "glaive_toolcall_en": {"hf_hub_url": "llamafactory/glaive_toolcall_en", "formatting": "sharegpt",
+                                   "columns": {"messages": "conversations", "tools": "tools"}},
+            "ultrachat_200k": {"hf_hub_url": "HuggingFaceH4/ultrachat_200k", "split": "train_sft",
+                               "formatting": "sharegpt", "columns": {"messages": "messages"}},
+            "deepctrl": {"ms_hub_url": "deepctrl/deepctrl-sft-data"},
+            "dpo_en_demo": {"file_name": "dpo_en_demo.json", "ranking": True, "formatting": "sharegpt",
+                            "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}}}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder
+
+
+def lf_raw(files, lf_dir, out="x", **changes) -> dict:
+    raw = yaml.safe_load(LLAMAFACTORY.format(model=files["model"], dataset_dir=lf_dir, out=out))
+    raw.update(changes)
+    return {k: v for k, v in raw.items() if v is not ...}
+
+
+def test_llamafactory_converts_and_trains(files, lf_dir, capsys):
+    # the tiny model's word-level tokenizer has no Llama 3 header tokens: its own chat template (template unset)
+    path = files["root"] / "lf.yaml"
+    path.write_text(LLAMAFACTORY.replace("template: llama3\n", "").format(model=files["model"], dataset_dir=lf_dir,
+                                                                           out=files["root"] / "run_lf"))
+    raw = yaml.safe_load(path.read_text())
+    assert detect(raw) == "llamafactory"
+    cfg = load_any(path, cpu(files))
+    printed = capsys.readouterr().err
+    assert "llamafactory config -> gapless" in printed
+    assert [(s.path, s.format) for s in cfg.data.sources] == [(str(lf_dir / "identity.json"), "alpaca"),
+                                                             (str(lf_dir / "chat.jsonl"), "sharegpt")]
+    assert cfg.data.sources[1].columns == {"conversations": "messages", "from": "role", "value": "content"}
+    assert (cfg.data.max_seq_len, cfg.data.batching, cfg.data.rows_per_batch) == (64, "padded", 2)
+    assert (cfg.method, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == ("lora", 4, 8.0, 0.0)  # alpha: rank * 2
+    assert cfg.lora.target_modules == list(ALL_LINEAR) and cfg.data.train_on == "assistant"
+    assert (cfg.optim.lr, cfg.schedule.kind, cfg.schedule.warmup_ratio) == (1e-4, "cosine", 0.1)
+    assert (cfg.train.steps, cfg.train.eval_every, cfg.checkpoint.every, cfg.data.eval_fraction) == (3, 2, 3, 0.1)
+    assert cfg.model.activation_checkpointing == 1 and cfg.data.chat_template is None
+    assert "template: (unset)" in printed and "the tokenizer's own" in printed
+    assert "max_samples: 1000" in printed and "no effect: each dataset holds at most 1000 records (60, 60)" in printed
+    for key in raw:
+        assert f"\n  {key}" in printed, key
+    result = train(cfg)
+    assert len(result.losses) == 3 and (result.run_dir / "adapter").is_dir()
+
+
+def test_llamafactory_detection_is_not_trls(files, lf_dir):
+    trl = yaml.safe_load(TRL.format(**files, out="x"))
+    assert detect(trl) == "trl"
+    # TrainingArguments' keys are TRL markers too; one of LLaMA-Factory's own decides
+    raw = {k: v for k, v in lf_raw(files, lf_dir).items() if k not in ("stage", "finetuning_type", "template")}
+    assert detect(raw) == "llamafactory"
+
+
+@pytest.mark.parametrize("changes, expect", [
+    ({}, {"data.chat_template": TEMPLATES["llama3"]}),
+    ({"quantization_bit": 4, "quantization_method": "bnb", "double_quantization": True}, {"method": "qlora"}),
+    ({"finetuning_type": "full"}, {"method": "full"}),
+    ({"lora_alpha": 16, "lora_target": "q_proj,v_proj", "use_rslora": True},
+     {"lora.alpha": 16.0, "lora.target_modules": ["q_proj", "v_proj"], "lora.use_rslora": True}),
+    ({"neat_packing": True}, {"data.batching": "packed", "data.max_seq_len": 63, "data.tokens_per_batch": 126}),
+    ({"train_on_prompt": True}, {"data.train_on": "all"}),
+    ({"mask_history": True}, {"data.train_on": "last_assistant"}),
+    ({"disable_gradient_checkpointing": True}, {"model.activation_checkpointing": 0}),
+    ({"template": ..., "flash_attn": "fa2", "enable_liger_kernel": True, "use_unsloth": False},
+     {"data.chat_template": None}),
+    ({"val_size": ..., "eval_dataset": "identity", "eval_strategy": "steps"},
+     {"data.eval_sources": [{"path": "identity.json", "format": "alpaca"}]}),
+])
+def test_llamafactory_mappings(files, lf_dir, changes, expect):
+    cfg = from_dict(RunConfig, convert(lf_raw(files, lf_dir, **changes)).config)
+    for dotted, value in expect.items():
+        got = cfg
+        for part in dotted.split("."):
+            got = getattr(got, part)
+        if dotted == "data.eval_sources":
+            got = [{"path": Path(s.path).name, "format": s.format} for s in got]
+        assert got == value, dotted
+
+
+def test_llamafactory_sharegpt_tags_are_columns_and_roles(files, lf_dir):
+    cfg = from_dict(RunConfig, convert(lf_raw(files, lf_dir, dataset="speakers", max_samples=...)).config)
+    src = cfg.data.sources[0]
+    assert (src.format, src.columns) == ("sharegpt", {"conversations": "conversation", "from": "speaker",
+                                                      "value": "text"})
+    assert src.roles == {"bot": "assistant"}  # human is gapless's user already
+
+
+def test_llamafactory_hub_datasets_are_paths_and_dataset_dir_online(files, lf_dir):
+    conv = convert(lf_raw(files, lf_dir, dataset="glaive_toolcall_en", max_samples=...))
+    assert conv.config["data"]["sources"] == [{"path": "llamafactory/glaive_toolcall_en", "format": "sharegpt"}]
+    conv = convert(lf_raw(files, lf_dir, dataset="tatsu-lab/alpaca", dataset_dir="ONLINE", max_samples=...))
+    assert conv.config["data"]["sources"] == [{"path": "tatsu-lab/alpaca"}]
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({"stage": "dpo"}, "stage: dpo: gapless trains supervised fine-tuning"),
+    ({"stage": "pt"}, "stage: pt: .*a source of format text"),
+    ({"finetuning_type": "freeze"}, "finetuning_type: freeze: gapless trains lora"),
+    ({"quantization_bit": 8}, "quantization_bit: 8: gapless quantizes the base to 4 bits"),
+    ({"quantization_bit": 4, "quantization_method": "hqq"}, "quantization_method: hqq"),
+    ({"quantization_bit": 4, "quantization_type": "fp4"}, "quantization_type: fp4: .*NF4, not FP4"),
+    ({"finetuning_type": "full", "quantization_bit": 4}, "quantization_bit: 4: a quantized base trains LoRA only"),
+    ({"lora_target": "q_proj,embed_tokens"}, "lora_target: q_proj,embed_tokens: gapless adapts only"),
+    ({"additional_target": "embed_tokens,lm_head"}, "additional_target: .*linear layers only"),
+    ({"use_dora": True}, "use_dora: true: gapless trains LoRA, not DoRA"),
+    ({"pissa_init": True}, "pissa_init: true: PiSSA"),
+    ({"loraplus_lr_ratio": 16.0}, "loraplus_lr_ratio: 16.0: LoRA\\+"),
+    ({"packing": True}, "packing: true: LLaMA-Factory's packing lets each document attend .*neat_packing: true"),
+    ({"template": "qwen3_nothink"}, "template: qwen3_nothink: gapless renders LLaMA-Factory's llama3"),
+    ({"bf16": ...}, "bf16: null: neither bf16 nor fp16 is on"),
+    ({"max_samples": 10}, "max_samples: 10: LLaMA-Factory trains the first 10 records"),
+    ({"dataset": "ultrachat_200k"}, "dataset: ultrachat_200k: split: train_sft: gapless reads whole files"),
+    ({"dataset": "deepctrl"}, "dataset: deepctrl: ms_hub_url: .*ModelScope"),
+    ({"dataset": "dpo_en_demo"}, "dataset: dpo_en_demo: ranking: true: a preference dataset"),
+    ({"dataset": "nope"}, "dataset: 'nope' is not described in"),
+    ({"val_size": 10}, "val_size: 10: gapless holds out a fraction"),
+    ({"deepspeed": "examples/deepspeed/ds_z3_config.json"}, "deepspeed: .*not DeepSpeed"),
+    ({"resume_from_checkpoint": "saves/x/checkpoint-500"}, "resume_from_checkpoint: .*gapless resumes its own"),
+    ({"mask_history": True, "train_on_prompt": True}, "mask_history: true: mask_history and train_on_prompt"),
+])
+def test_llamafactory_refusals_name_the_key(files, lf_dir, changes, refused):
+    with pytest.raises(ValueError, match=refused):
+        convert(lf_raw(files, lf_dir, **changes))
+
+
+def test_convert_config_cli_writes_gapless_yaml_from_llamafactory(files, lf_dir, tmp_path, capsys):
+    src = tmp_path / "llama3_lora_sft.yaml"
+    src.write_text(LLAMAFACTORY.format(model=files["model"], dataset_dir=lf_dir, out=tmp_path / "run"))
+    out = tmp_path / "gapless.yaml"
+    assert main(["convert-config", str(src), "--out", str(out)]) == 0
+    assert "llamafactory config -> gapless" in capsys.readouterr().out
+    written = yaml.safe_load(out.read_text())
+    assert detect(written) == "gapless"
+    cfg = from_dict(RunConfig, written)
+    assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4 and len(cfg.data.sources) == 2

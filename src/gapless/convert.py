@@ -1,4 +1,5 @@
-"""Configs from the peers: an Axolotl YAML or a TRL SFTConfig-style YAML as a gapless config dict.
+"""Configs from the peers: an Axolotl YAML, a TRL SFTConfig-style YAML or a LLaMA-Factory training YAML as a gapless
+config dict.
 
 `detect(raw)` names the format of a parsed YAML mapping; `convert(raw, fmt)` returns the gapless dict and the
 mapping it applied, one line per source key, or raises ValueError naming every key it cannot honour (a setting
@@ -7,10 +8,13 @@ value is empty (`wandb_project:`), or that only say what gapless does anyway, ar
 
 Axolotl's keys are those of its config reference (docs.axolotl.ai/docs/config-reference.html); TRL's are
 SFTConfig's and TrainingArguments' fields as `trl sft --config FILE.yaml` reads them, plus the script arguments
-`model_name_or_path` and `dataset_name` and the PEFT model arguments (`use_peft`, `lora_r`, ...).
+`model_name_or_path` and `dataset_name` and the PEFT model arguments (`use_peft`, `lora_r`, ...). LLaMA-Factory's
+are its ModelArguments, DataArguments, FinetuningArguments and TrainingArguments (src/llamafactory/hparams/ of
+hiyouga/LLaMA-Factory), its datasets named in DATASET_DIR/dataset_info.json (data/README.md there).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +23,7 @@ from typing import Any
 
 from gapless.config import ALL_LINEAR, DataConfig, RunConfig
 from gapless.data.chat_templates import TEMPLATES
-from gapless.data.formats import GZIPPED, SUFFIXES
+from gapless.data.formats import DEFAULT_ROLES, GZIPPED, SUFFIXES
 
 
 # A Hugging Face hub id (`meta-llama/Llama-3.2-1B`): one slash, no leading `/`, `.` or `~`.
@@ -29,10 +33,13 @@ AXOLOTL_MARKERS = ("base_model", "datasets", "sequence_len", "micro_batch_size",
                    "num_epochs", "lora_target_linear")
 TRL_MARKERS = ("model_name_or_path", "dataset_name", "per_device_train_batch_size", "num_train_epochs",
                "max_seq_length", "max_length", "dataset_text_field", "lr_scheduler_type", "use_peft")
+# LLaMA-Factory's own keys (it shares model_name_or_path and TrainingArguments' keys with TRL)
+LLAMAFACTORY_MARKERS = ("stage", "finetuning_type", "dataset", "template", "cutoff_len", "lora_target", "lora_rank",
+                        "quantization_bit", "dataset_dir", "train_on_prompt", "neat_packing")
 
 
 def detect(raw: dict) -> str:
-    """'gapless', 'axolotl' or 'trl': gapless when every top-level key is a RunConfig field."""
+    """'gapless', 'axolotl', 'trl' or 'llamafactory': gapless when every top-level key is a RunConfig field."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -40,6 +47,9 @@ def detect(raw: dict) -> str:
         return "gapless"
     axolotl = sum(k in raw for k in AXOLOTL_MARKERS)
     trl = sum(k in raw for k in TRL_MARKERS)
+    llamafactory = sum(k in raw for k in LLAMAFACTORY_MARKERS)
+    if llamafactory and llamafactory >= axolotl:  # TRL has none of its keys
+        return "llamafactory"
     if axolotl == trl == 0:
         return "gapless"  # from_dict names the unknown keys
     return "axolotl" if axolotl >= trl else "trl"
@@ -384,7 +394,9 @@ KERNEL_SWITCHES = ("use_liger_kernel", "liger_kernel_config", "liger_rope", "lig
                    "flash_attn_fuse_mlp", "xformers_attention", "eager_attention", "unsloth_cross_entropy_loss",
                    "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope",
                    "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel",
-                   "use_liger")  # SFTConfig's name before TrainingArguments' use_liger_kernel (open-r1's recipes)
+                   "use_liger",  # SFTConfig's name before TrainingArguments' use_liger_kernel (open-r1's recipes)
+                   # LLaMA-Factory's: flash_attn auto/fa2/sdpa/disabled picks the attention kernel (disabled: eager)
+                   "flash_attn", "enable_liger_kernel", "use_unsloth", "use_unsloth_gc")
 # switches that change nothing when off (the peers' default) and what trains when on: why gapless refuses them on
 OFF_SWITCHES = {
     "s2_attention": "shifted sparse attention (LongLoRA) attends differently; gapless attends to the whole document",
@@ -394,6 +406,21 @@ OFF_SWITCHES = {
     "use_dora": "gapless trains LoRA, not DoRA",
     "load_best_model_at_end": "gapless's output is the last step's weights; its checkpoints stay in the run folder",
     "push_to_hub": "gapless does not upload; push RUN/adapter (or an export) with `hf upload`",
+    # LLaMA-Factory's (hparams/finetuning_args.py, model_args.py, data_args.py)
+    "shift_attn": "shifted sparse attention (LongLoRA) attends differently; gapless attends to the whole document",
+    "pissa_init": "PiSSA starts the adapter from the weights' principal components (and changes the base weights); "
+                  "gapless's LoRA starts at B = 0 on the base as it is",
+    "pure_bf16": "bf16 weights updated in bf16; gapless keeps float32 copies of the trained weights (bf16: true)",
+    "use_galore": "GaLore projects the gradients; gapless trains with AdamW on the full gradients",
+    "use_apollo": "APOLLO is another optimizer; gapless trains with AdamW",
+    "use_badam": "BAdam updates one block at a time; gapless updates every trainable weight each step",
+    "use_adam_mini": "Adam-mini is another optimizer; gapless trains with AdamW",
+    "use_llama_pro": "LLaMA Pro trains added blocks only; gapless trains LoRA adapters or every weight",
+    "train_from_scratch": "gapless fine-tunes the checkpoint's weights",
+    "resize_vocab": "gapless trains with the tokenizer's own tokens (new tokens need new embedding rows)",
+    "streaming": "gapless reads the files whole (tokenized once into its cache)",
+    "disable_shuffling": "gapless shuffles the training data (data.seed)",
+    "use_swanlab": "gapless reports to tensorboard and wandb (train.report_to), not SwanLab",
 }
 
 
@@ -1184,18 +1211,376 @@ def _trl_report_to(c: _Converter) -> None:
             c.note("run_name", "unused: it names the W&B run, and report_to has no wandb")
 
 
+# ---------------------------------------------------------------------------------------------
+# LLaMA-Factory
+
+
+LLAMAFACTORY_IGNORABLE = {
+    **TRL_IGNORABLE,
+    "trust_remote_code": AXOLOTL_IGNORABLE["trust_remote_code"],
+    "plot_loss": "a PNG of the loss curve; gapless plots it in RUN/report.html",
+    "overwrite_cache": "gapless's cache is keyed by the files and settings that made it",
+    "save_only_model": "what a checkpoint holds, not what trains (gapless's hold the optimizer state, to resume)",
+    "stage": None, "finetuning_type": None, "template": None, "dataset_dir": None, "mix_strategy": None,
+    "tokenized_path": None, "packing": None, "neat_packing": None, "mask_history": None, "train_on_prompt": None,
+}
+# LLaMA-Factory's templates whose turns gapless's named template renders alike (data/template.py there)
+LLAMAFACTORY_TEMPLATES = {"llama3": "llama3"}
+# LoRA keys that only mean something with finetuning_type lora
+LLAMAFACTORY_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_rslora", "additional_target",
+                          "loraplus_lr_ratio", "loraplus_lr_embedding", "pissa_iter", "pissa_convert",
+                          "quantization_bit", "quantization_method", "quantization_type", "double_quantization")
+
+
+def convert_llamafactory(raw: dict) -> Conversion:
+    c = _Converter(raw, "llamafactory")
+    stage = c.get("stage", "sft")
+    if stage == "sft":
+        c.note("stage", "supervised fine-tuning" if "stage" in raw else "(unset) LLaMA-Factory's default: sft")
+    else:
+        c.refuse("stage", "gapless trains supervised fine-tuning (stage: sft) only"
+                 + ("; continued pre-training on raw text is a gapless config with a source of format text"
+                    if stage == "pt" else "; reward modelling, PPO, DPO and KTO are not gapless methods"))
+    seq = _model_and_length(c, "model_name_or_path", "cutoff_len", 2048, "LLaMA-Factory")
+    # neat_packing: whole documents packed into rows, each attending only to itself (block-diagonal attention), as
+    # gapless's packed batching; plain packing lets a document attend to the ones before it in its row
+    neat, packing = bool(c.get("neat_packing")), c.get("packing")
+    if neat:
+        # data_args.py: packing shortens cutoff_len by one ("avoid pad_to_multiple_of"): rows and documents of seq - 1
+        seq -= 1
+        c.put("neat_packing", "data.batching", "packed", "each document attends only to itself")
+        c.put("cutoff_len", "data.max_seq_len", seq, "cutoff_len - 1, as LLaMA-Factory packs")
+        if "packing" in raw:
+            c.note("packing", "neat_packing packs")
+    elif packing:
+        c.refuse("packing", "LLaMA-Factory's packing lets each document attend to the documents before it in its "
+                            "row; gapless's packed rows keep every document to itself, which is LLaMA-Factory's "
+                            "neat_packing: set neat_packing: true (or packing: false)")
+    else:
+        _set(c.out, "data.batching", "padded")
+        c.conv.applied.append((f"packing: {_show(packing) if 'packing' in raw else '(unset)'}", "data.batching: padded  (LLaMA-Factory packs only with "
+                                                             "packing or neat_packing in supervised fine-tuning)"))
+    if "neat_packing" in raw and not neat:
+        c.note("neat_packing", "off")
+    _set(c.out, "data.overlong", "truncate")
+    c.conv.applied.append(("cutoff_len: (a longer record)", "data.overlong: truncate  (LLaMA-Factory truncates "
+                                                            "too; it shortens prompt and response in proportion, "
+                                                            "gapless cuts the end)"))
+    _batch(c, "per_device_train_batch_size", seq, neat, 8, "TrainingArguments")
+    finetuning = c.get("finetuning_type", "lora")
+    eval_strategy = _trainer_arguments(c, 5e-5, "TrainingArguments", adapter=finetuning == "lora")
+    for key in ("eval_strategy", "save_strategy"):
+        if raw.get(key) == "steps":
+            c.note(key, f"steps: every {'eval_steps' if key.startswith('eval') else 'save_steps'}")
+    if c.has("dataset_dir"):
+        c.note("dataset_dir", "the folder of dataset_info.json and the files it names")
+    if c.has("preprocessing_num_workers"):
+        c.put("preprocessing_num_workers", "data.num_workers", int(c.get("preprocessing_num_workers")))
+    if c.raw.get("bf16") is True or c.raw.get("fp16") is True:
+        _precision(c)
+    else:
+        c.refuse("bf16", "neither bf16 nor fp16 is on: LLaMA-Factory then computes in a dtype it infers from the "
+                         "checkpoint and the GPU; say which: bf16: true or fp16: true")
+    # LLaMA-Factory checkpoints every layer's activations unless disable_gradient_checkpointing (model_utils)
+    if c.get("disable_gradient_checkpointing"):
+        c.put("disable_gradient_checkpointing", "model.activation_checkpointing", 0, "off")
+    elif "disable_gradient_checkpointing" in raw:
+        c.put("disable_gradient_checkpointing", "model.activation_checkpointing", 1, "every layer")
+    else:
+        _default(c, "disable_gradient_checkpointing", "model.activation_checkpointing", 1, "LLaMA-Factory",
+                 ": every layer checkpointed")
+    if "gradient_checkpointing" in raw:
+        c.note("gradient_checkpointing", "LLaMA-Factory checkpoints unless disable_gradient_checkpointing")
+    _llamafactory_method(c, finetuning)
+    # the loss: every response (train_on_prompt: the prompts too; mask_history: the last response only)
+    if c.get("train_on_prompt") and c.get("mask_history"):
+        c.refuse("mask_history", "mask_history and train_on_prompt are both on (LLaMA-Factory refuses that too)")
+    elif c.get("train_on_prompt"):
+        c.put("train_on_prompt", "data.train_on", "all")
+    elif c.get("mask_history"):
+        c.put("mask_history", "data.train_on", "last_assistant")
+    else:
+        _set(c.out, "data.train_on", "assistant")
+        shown = _show(raw["train_on_prompt"]) if "train_on_prompt" in raw else "(unset)"
+        c.conv.applied.append((f"train_on_prompt: {shown}",
+                               "data.train_on: assistant  (every response trains, the prompts do not)"))
+    for key in ("train_on_prompt", "mask_history"):
+        if key in raw and not raw[key]:
+            c.note(key, "off")
+    template = c.get("template")
+    if template is None:
+        c.conv.applied.append(("template: (unset)", "data.chat_template unset: the tokenizer's own (LLaMA-Factory "
+                                                    "reads the tokenizer's template when template is unset)"))
+    elif template in LLAMAFACTORY_TEMPLATES:
+        c.put("template", "data.chat_template", TEMPLATES[LLAMAFACTORY_TEMPLATES[template]],
+              f"gapless's {template} template as Jinja: the same turns")
+    else:
+        c.refuse("template", "gapless renders LLaMA-Factory's "
+                             f"{', '.join(LLAMAFACTORY_TEMPLATES)} alike; for another, unset template (the "
+                             "tokenizer's own chat template) or set data.chat_template to its Jinja")
+    if c.get("mix_strategy", "concat") != "concat":
+        c.refuse("mix_strategy", "gapless concatenates its sources (mix_strategy: concat)")
+    elif "mix_strategy" in raw:
+        c.note("mix_strategy", "the datasets concatenated, as gapless's sources are")
+    _llamafactory_data(c, eval_strategy)
+    return c.finish({k: v for k, v in LLAMAFACTORY_IGNORABLE.items() if v})
+
+
+def _llamafactory_method(c: _Converter, finetuning: str) -> None:
+    """finetuning_type (its default lora), quantization_bit (QLoRA) and the LoRA keys, with LLaMA-Factory's
+    defaults (hparams/finetuning_args.py: lora_rank 8, lora_alpha lora_rank * 2, lora_dropout 0, lora_target all)."""
+    raw = c.raw
+    bits = c.get("quantization_bit")
+    if finetuning == "full":
+        c.method("finetuning_type", "full")
+        for key in [k for k in LLAMAFACTORY_LORA_KEYS if k in raw]:
+            if key.startswith("quantization") or key == "double_quantization":
+                c.refuse(key, "a quantized base trains LoRA only (LLaMA-Factory refuses it too)")
+            else:
+                c.note(key, "unused: finetuning_type full")
+        return
+    if finetuning != "lora":
+        c.refuse("finetuning_type", "gapless trains lora (qlora with quantization_bit 4) or full, not freeze or oft")
+        return
+    if bits is None:
+        if "finetuning_type" in raw:
+            c.method("finetuning_type", "lora")
+        else:
+            _default(c, "finetuning_type", "method", "lora", "LLaMA-Factory")
+    elif int(bits) == 4:
+        c.method("quantization_bit", "qlora")
+        c.note("finetuning_type", "lora on the 4-bit base: method qlora")
+    else:
+        c.refuse("quantization_bit", "gapless quantizes the base to 4 bits (NF4, method qlora) only")
+    quantized = bits is not None
+    for key, accepted, why in (
+            ("quantization_method", ("bitsandbytes", "bnb"), "gapless's QLoRA is bitsandbytes' NF4"),
+            ("quantization_type", ("nf4",), "gapless's QLoRA stores NF4, not FP4"),
+            ("double_quantization", (True,), "gapless's QLoRA quantizes the NF4 scales too (double quantization)")):
+        if key not in raw:
+            continue
+        if not quantized:
+            c.note(key, "unused: no quantization_bit")
+        elif c.get(key) in accepted:
+            c.note(key, f"{_show(c.get(key))}, as gapless's QLoRA")
+        else:
+            c.refuse(key, why)
+    if c.has("lora_rank"):
+        c.put("lora_rank", "lora.r", int(c.get("lora_rank")))
+    else:
+        _default(c, "lora_rank", "lora.r", 8, "LLaMA-Factory")
+    rank = int(raw.get("lora_rank") or 8)
+    if not c.has("lora_alpha"):  # (lora_alpha and lora_dropout, when set, are SHARED_KEYS)
+        _default(c, "lora_alpha", "lora.alpha", float(rank * 2), "LLaMA-Factory", ": lora_rank * 2")
+    if not c.has("lora_dropout"):
+        _default(c, "lora_dropout", "lora.dropout", 0.0, "LLaMA-Factory")
+    target = c.get("lora_target", "all")
+    names = [t.strip() for t in target.split(",")] if isinstance(target, str) else list(target)
+    if names == ["all"]:  # every linear layer but lm_head (model_utils/misc.py find_all_linear_modules)
+        if "lora_target" in raw:
+            c.put("lora_target", "lora.target_modules", list(ALL_LINEAR))
+        else:
+            _default(c, "lora_target", "lora.target_modules", list(ALL_LINEAR), "LLaMA-Factory", ": all")
+    elif names and set(names) <= set(ALL_LINEAR):
+        c.put("lora_target", "lora.target_modules", names)
+    else:
+        c.refuse("lora_target", f"gapless adapts only the decoder's linear layers {list(ALL_LINEAR)}")
+    if c.get("use_rslora"):
+        c.put("use_rslora", "lora.use_rslora", True)
+    elif "use_rslora" in raw:
+        c.note("use_rslora", "off")
+    if c.has("additional_target"):
+        c.refuse("additional_target", REFUSED_HINTS["lora_modules_to_save"])
+    if c.has("loraplus_lr_ratio"):
+        c.refuse("loraplus_lr_ratio", "LoRA+ trains B at a higher learning rate than A; gapless trains both at "
+                                      "optim.lr")
+    for key in ("loraplus_lr_embedding", "pissa_iter", "pissa_convert"):
+        if key in raw and key not in c.seen:
+            c.note(key, "unused: " + ("no loraplus_lr_ratio" if key.startswith("lora") else "pissa_init is off"))
+
+
+def _llamafactory_data(c: _Converter, eval_strategy: str) -> None:
+    """dataset and eval_dataset (names in DATASET_DIR/dataset_info.json) as data.sources and data.eval_sources;
+    val_size, max_samples and tokenized_path."""
+    raw = c.raw
+    if not c.has("dataset"):
+        c.refused.append("dataset: missing; name the datasets of dataset_info.json to train on")
+    else:
+        _llamafactory_datasets(c, "dataset", "data.sources")
+    val = c.get("val_size")
+    if c.has("eval_dataset"):
+        _llamafactory_datasets(c, "eval_dataset", "data.eval_sources")
+        if val:
+            c.refuse("val_size", "eval_dataset and val_size are both set (LLaMA-Factory refuses that too)")
+    if val and not c.has("eval_dataset"):
+        if 0 < float(val) < 1:
+            c.put("val_size", "data.eval_fraction", float(val))
+        else:
+            c.refuse("val_size", "gapless holds out a fraction of the records (0 < val_size < 1), not a count")
+    elif "val_size" in raw and not val:
+        c.note("val_size", "0: no held-out split")
+    if c.has("max_samples"):
+        _max_samples(c, int(c.get("max_samples")))
+    if c.has("tokenized_path"):
+        path = Path(str(c.get("tokenized_path"))).expanduser()
+        if path.exists():
+            c.refuse("tokenized_path", f"{path} exists, so LLaMA-Factory trains on the data saved there, not on "
+                                       "dataset; gapless tokenizes the datasets (into data.cache_dir): remove it")
+        else:
+            c.note("tokenized_path", "where LLaMA-Factory saves the tokenized data; gapless caches it in "
+                                     "data.cache_dir")
+
+
+def _llamafactory_datasets(c: _Converter, key: str, dotted: str) -> None:
+    """A comma-separated list of dataset names, each a description in DATASET_DIR/dataset_info.json (dataset_dir
+    ONLINE: each name a Hugging Face hub dataset)."""
+    value = c.get(key)
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else [str(n) for n in value]
+    folder = str(c.get("dataset_dir") or "data")
+    info: dict | None = None
+    if folder != "ONLINE":
+        path = Path(folder).expanduser() / "dataset_info.json"
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            c.refused.append(f"{key}: {value}: cannot read {path}, which describes the datasets (dataset_dir "
+                             f"{folder}): {e}")
+            return
+    sources = []
+    for i, name in enumerate(names):
+        if info is None:
+            src, notes, bad = {"path": name}, ["dataset_dir ONLINE: a Hugging Face hub dataset"], []
+        elif name not in info:
+            c.refused.append(f"{key}: {name!r} is not described in {folder}/dataset_info.json")
+            continue
+        else:
+            src, notes, bad = _llamafactory_dataset(info[name], folder)
+        entry = info[name] if info else {}
+        for k, why in bad:
+            c.refused.append(f"{key}: {name}: {k}" + (f": {_show(entry[k])}" if k in entry else "") + f": {why}")
+        sources.append(src)
+        c.conv.applied.append((f"{key}: {name}", f"{dotted}[{len(sources) - 1}]: {src}"
+                               + (f"  ({'; '.join(notes)})" if notes else "")))
+    _set(c.out, dotted, sources)
+
+
+# dataset_info.json's columns (data/README.md) for each formatting, as gapless's canonical fields
+LLAMAFACTORY_COLUMNS = {"alpaca": {"prompt": "instruction", "query": "input", "response": "output",
+                                   "system": "system"},
+                        "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"}}
+# its sharegpt tags: (tag, LLaMA-Factory's default role name, gapless's role)
+LLAMAFACTORY_ROLE_TAGS = (("user_tag", "human", "user"), ("assistant_tag", "gpt", "assistant"),
+                          ("observation_tag", "observation", "tool"), ("function_tag", "function_call", "tool_call"),
+                          ("system_tag", "system", "system"))
+
+
+def _llamafactory_dataset(entry: dict, folder: str) -> tuple[dict, list[str], list[tuple[str, str]]]:
+    """One description of dataset_info.json as a gapless source: (source, notes, refused (key, why))."""
+    notes, bad = [], []
+    known = {"hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "file_name", "formatting", "ranking", "subset",
+             "split", "folder", "num_samples", "columns", "tags"}
+    bad += [(k, "no gapless equivalent for this dataset key") for k in entry if k not in known]
+    if entry.get("hf_hub_url"):  # LLaMA-Factory takes the Hugging Face one unless USE_MODELSCOPE_HUB is set
+        src: dict = {"path": str(entry["hf_hub_url"])}
+    elif entry.get("ms_hub_url") or entry.get("om_hub_url"):
+        key = "ms_hub_url" if entry.get("ms_hub_url") else "om_hub_url"
+        src = {"path": str(entry[key])}
+        bad.append((key, "a ModelScope or Modelers dataset; download its files into dataset_dir and name them "
+                         "with file_name"))
+    elif entry.get("script_url"):
+        src = {"path": str(entry["script_url"])}
+        bad.append(("script_url", "gapless runs no dataset loading script; give the data files with file_name"))
+    elif entry.get("file_name"):
+        src = {"path": str(Path(folder) / str(entry["file_name"]))}
+    else:
+        src = {"path": ""}
+        bad.append(("file_name", "missing: no file_name nor hf_hub_url"))
+    if entry.get("split", "train") != "train":
+        bad.append(("split", "gapless reads whole files; give that split's files with file_name"))
+    for key, why in (("subset", "gapless reads whole files; give the subset's files with file_name"),
+                     ("folder", "give the folder's files with file_name"),
+                     ("num_samples", "gapless reads every record (SourceConfig.epochs samples a seeded fraction)"),
+                     ("ranking", "a preference dataset (chosen, rejected), for reward modelling and DPO; gapless "
+                                 "trains supervised fine-tuning")):
+        if entry.get(key):
+            bad.append((key, why))
+    fmt = entry.get("formatting", "alpaca")
+    if fmt not in LLAMAFACTORY_COLUMNS:
+        bad.append(("formatting", "gapless reads LLaMA-Factory's alpaca and sharegpt formats"))
+        return src, notes, bad
+    src["format"] = fmt
+    theirs = entry.get("columns") or {}
+    columns = {}
+    for name, column in theirs.items():
+        ours = LLAMAFACTORY_COLUMNS[fmt].get(name)
+        if fmt == "alpaca" and name == "history":  # gapless's alpaca reads a history from the field `history`
+            if column != "history":
+                bad.append((f"columns.{name}", f"{column!r}: gapless reads an alpaca history from the field named "
+                                               "history; rename the field"))
+        elif ours is None:
+            bad.append((f"columns.{name}", f"{column!r}: not a column of supervised {fmt} data gapless reads "
+                                           f"({', '.join(LLAMAFACTORY_COLUMNS[fmt])})"))
+        elif column != ours:
+            columns[ours] = column
+    tags = entry.get("tags") or {}
+    if fmt == "alpaca":
+        notes.append("the user turn is instruction, a blank line and input (LLaMA-Factory joins them with one "
+                     "newline), rendered through the chat template")
+        bad += [(f"tags.{k}", "tags are for the sharegpt format") for k in tags]
+    else:
+        for tag, ours in (("role_tag", "from"), ("content_tag", "value")):
+            if tags.get(tag, ours) != ours:
+                columns[ours] = tags[tag]
+        roles = {}
+        for tag, default, ours in LLAMAFACTORY_ROLE_TAGS:
+            name = tags.get(tag, default)
+            if DEFAULT_ROLES.get(name) != ours:
+                roles[name] = ours
+        if roles:
+            src["roles"] = roles
+        known_tags = {"role_tag", "content_tag"} | {t for t, _, _ in LLAMAFACTORY_ROLE_TAGS}
+        bad += [(f"tags.{k}", "no gapless equivalent for this tag") for k in tags if k not in known_tags]
+    if columns:
+        src["columns"] = columns
+    return src, notes, bad
+
+
+def _max_samples(c: _Converter, limit: int) -> None:
+    """max_samples: LLaMA-Factory trains the first `limit` records of each dataset. gapless reads every record, which
+    is the same where no local dataset has more (LLaMA-Factory's demo datasets hold at most 1,000)."""
+    from gapless.data.formats import read_rows, resolve_files
+
+    counts = []
+    for s in c.out.get("data", {}).get("sources", []) + c.out.get("data", {}).get("eval_sources", []):
+        if is_hub_id(s["path"]):
+            counts.append(None)
+            continue
+        try:
+            counts.append(sum(1 for f in resolve_files(s["path"]) for _ in read_rows(f)))
+        except (ValueError, OSError):
+            counts.append(None)
+    if counts and all(n is not None and n <= limit for n in counts):
+        c.note("max_samples", f"no effect: each dataset holds at most {limit} records ({', '.join(map(str, counts))})")
+    else:
+        c.refuse("max_samples", f"LLaMA-Factory trains the first {limit} records of each dataset; gapless reads every "
+                                "record: write the first ones to a file of their own (a hub dataset's records "
+                                "cannot be counted here)")
+
+
 def convert(raw: dict, fmt: str | None = None) -> Conversion:
-    """The gapless config dict of an Axolotl or TRL mapping (fmt None: detected)."""
+    """The gapless config dict of an Axolotl, TRL or LLaMA-Factory mapping (fmt None: detected)."""
     fmt = fmt or detect(raw)
     if fmt == "axolotl":
         return convert_axolotl(raw)
     if fmt == "trl":
         return convert_trl(raw)
+    if fmt == "llamafactory":
+        return convert_llamafactory(raw)
     return Conversion(raw, "gapless")
 
 
 def load_any(path: str | Path, overrides: list[str] = (), out=None) -> RunConfig:
-    """The run config of a gapless, Axolotl or TRL YAML file, overrides applied (as gapless keys); prints the
+    """The run config of a gapless, Axolotl, TRL or LLaMA-Factory YAML file, overrides applied (as gapless keys); prints the
     mapping a conversion applied to `out` (stderr by default)."""
     import sys
 
