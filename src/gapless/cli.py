@@ -91,7 +91,7 @@ def run_train(args) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     if not launched_by_torchrun():  # ranks get the launcher's output_dir (a time in its name would differ by rank)
         overrides += output_dir_overrides(args.config, overrides, resume=args.resume)  # runs/NAME-TIME by default
-    # a gapless, Axolotl or TRL YAML (gapless.convert); a bad config fails here, once, not in every rank
+    # a gapless, Axolotl, TRL or LLaMA-Factory YAML (gapless.convert); a bad config fails here, once, not in every rank
     cfg = load_any(args.config, overrides)
     check_run_paths(cfg)
     if not args.dry_run:
@@ -142,11 +142,12 @@ def run_train(args) -> int:
 
 
 def register_convert(sub) -> None:
-    p = sub.add_parser("convert-config", help="write the gapless config equivalent to an Axolotl or TRL YAML",
-                       description="Detect an Axolotl or TRL SFTConfig-style YAML, print the mapping applied, and "
+    p = sub.add_parser("convert-config", help="write the gapless config equivalent to an Axolotl, TRL or LLaMA-Factory YAML",
+                       description="Detect an Axolotl, TRL SFTConfig-style or LLaMA-Factory training YAML, print the mapping "
+                                   "applied, and "
                                    "write the equivalent gapless YAML; every setting gapless cannot honour is "
                                    "named, and nothing is written. (`gapless train` accepts such a file directly.)")
-    p.add_argument("source", metavar="IN", help="the Axolotl or TRL YAML")
+    p.add_argument("source", metavar="IN", help="the Axolotl, TRL or LLaMA-Factory YAML")
     p.add_argument("--out", required=True, metavar="OUT", help="the gapless YAML to write")
     p.set_defaults(func=run_convert)
 
