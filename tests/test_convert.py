@@ -262,14 +262,19 @@ def test_train_cli_hub_id(tmp_path, capsys):
     assert "model.path: 'meta-llama/Llama-3.2-1B' looks like a Hugging Face hub id" in capsys.readouterr().err
 
 
-def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
-    path = write(files, TRL, "trl2.yaml", out=tmp_path / "run", chat=files["trl_chat"])
+def converted_by_cli(src: Path, fmt: str, tmp_path: Path, capsys) -> RunConfig:
+    """`gapless convert-config SRC --out OUT`: the config OUT holds, which reads as a gapless one."""
     out = tmp_path / "gapless.yaml"
-    assert main(["convert-config", str(path), "--out", str(out)]) == 0
-    assert "trl config -> gapless" in capsys.readouterr().out
+    assert main(["convert-config", str(src), "--out", str(out)]) == 0
+    assert f"{fmt} config -> gapless" in capsys.readouterr().out
     written = yaml.safe_load(out.read_text())
     assert detect(written) == "gapless"
-    cfg = from_dict(RunConfig, written)
+    return from_dict(RunConfig, written)
+
+
+def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
+    path = write(files, TRL, "trl2.yaml", out=tmp_path / "run", chat=files["trl_chat"])
+    cfg = converted_by_cli(path, "trl", tmp_path, capsys)
     assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4
 
 
@@ -1081,10 +1086,5 @@ def test_llamafactory_refusals_name_the_key(files, lf_dir, changes, refused):
 def test_convert_config_cli_writes_gapless_yaml_from_llamafactory(files, lf_dir, tmp_path, capsys):
     src = tmp_path / "llama3_lora_sft.yaml"
     src.write_text(LLAMAFACTORY.format(model=files["model"], dataset_dir=lf_dir, out=tmp_path / "run"))
-    out = tmp_path / "gapless.yaml"
-    assert main(["convert-config", str(src), "--out", str(out)]) == 0
-    assert "llamafactory config -> gapless" in capsys.readouterr().out
-    written = yaml.safe_load(out.read_text())
-    assert detect(written) == "gapless"
-    cfg = from_dict(RunConfig, written)
+    cfg = converted_by_cli(src, "llamafactory", tmp_path, capsys)
     assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4 and len(cfg.data.sources) == 2
