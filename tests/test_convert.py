@@ -1,6 +1,7 @@
 """Axolotl and TRL configs, written from their public documentation (Axolotl's config reference and dataset
 formats pages; TRL's SFTConfig and `trl sft --config` YAML), convert to gapless configs and train a few steps on
 the demo's tiny Llama; what gapless cannot honour is refused, every key named at once."""
+import io
 import json
 import typing
 from pathlib import Path
@@ -276,6 +277,17 @@ def test_convert_config_cli_writes_gapless_yaml(files, tmp_path, capsys):
     path = write(files, TRL, "trl2.yaml", out=tmp_path / "run", chat=files["trl_chat"])
     cfg = converted_by_cli(path, "trl", tmp_path, capsys)
     assert cfg.model.path == str(files["model"]) and cfg.lora.r == 4
+
+
+def test_a_converted_configs_errors_name_its_file(files, tmp_path):
+    """TRL evaluating every 10 steps on a single file (no test split): the error named `config.train.eval_every`, a
+    file that does not exist; it names the TRL file, as converted (the printed mapping ties eval_steps to it)."""
+    path = write(files, TRL.replace('eval_strategy: "no"', "eval_strategy: steps\neval_steps: 10"), "trl_eval.yaml",
+                 out=tmp_path / "run", chat=files["trl_chat"])
+    with pytest.raises(ValueError, match=f"^{path} \\(trl config, as converted above\\): train.eval_every: 10 asks "
+                                         "for evaluation but there is no held-out data"):
+        load_any(path, cpu(files), out=io.StringIO())
+    assert load_any(path, cpu(files) + ["data.eval_fraction=0.1"], out=io.StringIO()).train.eval_every == 10
 
 
 def test_convert_config_cli_names_the_hub_ids_to_download(files, tmp_path, capsys):

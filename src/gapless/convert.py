@@ -1580,11 +1580,11 @@ def convert(raw: dict, fmt: str | None = None) -> Conversion:
 
 
 def load_any(path: str | Path, overrides: list[str] = (), out=None) -> RunConfig:
-    """The run config of a gapless, Axolotl, TRL or LLaMA-Factory YAML file, overrides applied (as gapless keys); prints the
-    mapping a conversion applied to `out` (stderr by default)."""
+    """The run config of a gapless, Axolotl, TRL or LLaMA-Factory YAML file, overrides applied (as gapless keys);
+    prints the mapping a conversion applied to `out` (stderr by default)."""
     import sys
 
-    from gapless.config import load_config, read_yaml, require_settings
+    from gapless.config import ConfigError, load_config, read_yaml, require_settings
 
     raw = read_yaml(path)
     require_settings(raw, path, overrides)
@@ -1593,7 +1593,11 @@ def load_any(path: str | Path, overrides: list[str] = (), out=None) -> RunConfig
         return load_config(path, overrides)
     conv = convert(raw, fmt)
     print(conv.format(), file=out or sys.stderr)
-    return load_config(data=conv.config, overrides=overrides)
+    try:
+        return load_config(data=conv.config, overrides=overrides)
+    except ValueError as e:  # named in gapless's fields, which the mapping printed above ties to the file's keys
+        raise ConfigError([f"{path} ({fmt} config, as converted above): {line.removeprefix('config.')}"
+                           for line in (e.errors if isinstance(e, ConfigError) else [str(e)])]) from e
 
 
 def write_gapless_yaml(src: str | Path, out: str | Path) -> Conversion:
