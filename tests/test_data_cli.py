@@ -113,3 +113,20 @@ def test_native_oasst_and_self_instruct_files(shared, tmp_path, capsys):
     code, out, _ = run(capsys, oasst, "--format", "oasst_top1", *args)
     assert code == 0
     assert json.loads(out.strip().splitlines()[-1])["kept"] == 100  # one thread a tree
+
+
+def test_a_config_takes_dotted_overrides_as_train_does(shared, tmp_path, capsys):
+    """`gapless data CONFIG model.path=... data.sources.0.path=...`, as `gapless train` takes them, read the
+    overrides as data files: the config itself became a source and the error was "data.tokenizer: not set"."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "models/Llama-3.2-3B-Instruct"},
+                                      "data": {"sources": [{"path": "data/train.jsonl"}], "max_seq_len": 4096}}))
+    code, out, _ = run(capsys, config, f"model.path={shared / 'tokenizers/llama3'}",
+                       f"data.sources.0.path={shared / 'data/messages/fastchat_dummy_conversation.jsonl'}",
+                       "data.max_seq_len=512", f"data.cache_dir={tmp_path / 'cache'}", "--json")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["max_seq_len"] == 512 and summary["records"] == 500  # fastchat_dummy_conversation.jsonl
+    # a data file beside a config is neither: named, not read as a source
+    code, _, err = run(capsys, config, shared / "data/messages/fastchat_dummy_conversation.jsonl")
+    assert code == 2 and "fastchat_dummy_conversation.jsonl: not a key=value override" in err

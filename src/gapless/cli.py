@@ -31,7 +31,8 @@ def register_data(sub) -> None:
                     "(records read, kept, truncated, dropped by reason, tokens, packing efficiency), a length "
                     "histogram and one decoded example with the trained text between « ».")
     p.add_argument("inputs", nargs="+", metavar="CONFIG_OR_FILE",
-                   help="a YAML config (its data: section, or the whole file) or data files, one source each")
+                   help="a YAML config (its data: section, or the whole file) with dotted key=value overrides "
+                        "as train takes them, or data files, one source each")
     p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer or model folder (overrides data.tokenizer)")
     p.add_argument("--format", default="auto",
                    choices=["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",

@@ -181,10 +181,16 @@ def format_example(ids: np.ndarray, mask: np.ndarray, tokenizer, max_prompt_char
 def data_config_from_inputs(inputs: list[str], *, tokenizer: str | None = None, overrides: list[str] = (),
                             format: str = "auto") -> DataConfig:
     """`gapless data` arguments -> DataConfig: one YAML config (its `data:` section, or the whole
-    file when it has none), or data files that become one source each."""
+    file when it has none) with dotted key=value overrides as `gapless train` takes them, or data files that
+    become one source each."""
     model_path = None
-    if len(inputs) == 1 and Path(inputs[0]).suffix in (".yaml", ".yml"):
+    if inputs and Path(inputs[0]).suffix in (".yaml", ".yml"):
+        for item in inputs[1:]:
+            if "=" not in item:
+                raise ValueError(f"{item}: not a key=value override of the config {inputs[0]}; give either a "
+                                 "config (and overrides, e.g. data.max_seq_len=2048) or data files")
         raw = read_yaml(inputs[0])
+        raw = apply_overrides(raw, inputs[1:])
         section = raw.get("data", raw)
         model = raw.get("model")
         if not section.get("tokenizer") and isinstance(model, dict) and isinstance(model.get("path"), str):
