@@ -13,7 +13,7 @@ from gapless import demo_task
 from gapless.cli import main
 from gapless.config import ALL_LINEAR, from_dict, RunConfig
 from gapless.convert import check_local, check_run_paths, convert, detect, load_any
-from gapless.data.chat_templates import TEMPLATES
+from gapless.data.chat_templates import LLAMAFACTORY as LF_JINJA, LLAMAFACTORY_UNCUT as LF_JINJA_UNCUT
 from gapless.demo import write_base_model
 from gapless.train.loop import train
 
@@ -1024,14 +1024,14 @@ def test_llamafactory_detection_is_not_trls(files, lf_dir):
 
 
 @pytest.mark.parametrize("changes, expect", [
-    ({}, {"data.chat_template": TEMPLATES["llama3"]}),
+    ({}, {"data.chat_template": LF_JINJA["llama3"]}),
     ({"quantization_bit": 4, "quantization_method": "bnb", "double_quantization": True}, {"method": "qlora"}),
     ({"finetuning_type": "full"}, {"method": "full"}),
     ({"lora_alpha": 16, "lora_target": "q_proj,v_proj", "use_rslora": True},
      {"lora.alpha": 16.0, "lora.target_modules": ["q_proj", "v_proj"], "lora.use_rslora": True}),
     ({"neat_packing": True}, {"data.batching": "packed", "data.max_seq_len": 63, "data.tokens_per_batch": 126}),
-    ({"train_on_prompt": True}, {"data.train_on": "all"}),
-    ({"mask_history": True}, {"data.train_on": "last_assistant"}),
+    ({"train_on_prompt": True}, {"data.train_on": "all", "data.chat_template": LF_JINJA_UNCUT["llama3"]}),
+    ({"mask_history": True}, {"data.train_on": "last_assistant", "data.chat_template": LF_JINJA_UNCUT["llama3"]}),
     ({"disable_gradient_checkpointing": True}, {"model.activation_checkpointing": 0}),
     ({"template": ..., "flash_attn": "fa2", "enable_liger_kernel": True, "use_unsloth": False},
      {"data.chat_template": None}),
@@ -1078,7 +1078,7 @@ def test_llamafactory_hub_datasets_are_paths_and_dataset_dir_online(files, lf_di
     ({"pissa_init": True}, "pissa_init: true: PiSSA"),
     ({"loraplus_lr_ratio": 16.0}, "loraplus_lr_ratio: 16.0: LoRA\\+"),
     ({"packing": True}, "packing: true: LLaMA-Factory's packing lets each document attend .*neat_packing: true"),
-    ({"template": "qwen3_nothink"}, "template: qwen3_nothink: gapless renders LLaMA-Factory's llama3"),
+    ({"template": "baichuan2"}, "template: baichuan2: gapless trains LLaMA-Factory's llama3 as it does"),
     ({"bf16": ...}, "bf16: null: neither bf16 nor fp16 is on"),
     ({"max_samples": 10}, "max_samples: 10: LLaMA-Factory trains the first 10 records"),
     ({"dataset": "ultrachat_200k"}, "dataset: ultrachat_200k: split: train_sft: gapless reads whole files"),

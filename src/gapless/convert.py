@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gapless.config import ALL_LINEAR, DataConfig, RunConfig
-from gapless.data.chat_templates import TEMPLATES
+from gapless.data.chat_templates import LLAMAFACTORY, LLAMAFACTORY_UNCUT, TEMPLATES
 from gapless.data.formats import DEFAULT_ROLES, GZIPPED, SUFFIXES
 
 
@@ -1224,8 +1224,6 @@ LLAMAFACTORY_IGNORABLE = {
     "stage": None, "finetuning_type": None, "template": None, "dataset_dir": None, "mix_strategy": None,
     "tokenized_path": None, "packing": None, "neat_packing": None, "mask_history": None, "train_on_prompt": None,
 }
-# LLaMA-Factory's templates whose turns gapless's named template renders alike (data/template.py there)
-LLAMAFACTORY_TEMPLATES = {"llama3": "llama3"}
 # LoRA keys that only mean something with finetuning_type lora
 LLAMAFACTORY_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_rslora", "additional_target",
                           "loraplus_lr_ratio", "loraplus_lr_embedding", "pissa_iter", "pissa_convert",
@@ -1311,12 +1309,17 @@ def convert_llamafactory(raw: dict) -> Conversion:
     if template is None:
         c.conv.applied.append(("template: (unset)", "data.chat_template unset: the tokenizer's own (LLaMA-Factory "
                                                     "reads the tokenizer's template when template is unset)"))
-    elif template in LLAMAFACTORY_TEMPLATES:
-        c.put("template", "data.chat_template", TEMPLATES[LLAMAFACTORY_TEMPLATES[template]],
-              f"gapless's {template} template as Jinja: the same turns")
+    elif template in LLAMAFACTORY:
+        # gapless.data.chat_templates: the Jinja whose ids and loss mask are LLaMA-Factory's; when some answers do not
+        # train, the one that also skips the records gapless would tokenize otherwise
+        every_answer = not (c.get("train_on_prompt") or c.get("mask_history"))
+        c.put("template", "data.chat_template", (LLAMAFACTORY if every_answer else LLAMAFACTORY_UNCUT)[template],
+              f"LLaMA-Factory's {template} turns as Jinja: its token ids and loss mask; records with tools or tool "
+              "turns are skipped and counted" + ("" if every_answer else ", and those with an untrained answer "
+                                                                         "starting with a newline"))
     else:
-        c.refuse("template", "gapless renders LLaMA-Factory's "
-                             f"{', '.join(LLAMAFACTORY_TEMPLATES)} alike; for another, unset template (the "
+        c.refuse("template", "gapless trains LLaMA-Factory's "
+                             f"{', '.join(LLAMAFACTORY)} as it does; for another, unset template (the "
                              "tokenizer's own chat template) or set data.chat_template to its Jinja")
     if c.get("mix_strategy", "concat") != "concat":
         c.refuse("mix_strategy", "gapless concatenates its sources (mix_strategy: concat)")

@@ -5,6 +5,10 @@ sees them), OpenAI-style `tool_calls` and `tools` (qwen_25). tests/test_chat_tem
 
 A config names one as data.chat_template (for a base model's tokenizer, which has no template of its own) or
 through the Axolotl converter (gapless.convert), which writes the Jinja itself.
+
+LLAMAFACTORY holds the Jinja of LLaMA-Factory's template names that gapless trains token for token as LLaMA-Factory
+does (its src/llamafactory/data/template.py and data/processor/supervised.py); the LLaMA-Factory converter writes
+it. tests/test_llamafactory_templates.py checks ids and loss mask against LLaMA-Factory's encoding.
 """
 from __future__ import annotations
 
@@ -100,3 +104,37 @@ MISTRAL_V1 = (
 # Axolotl's name -> the Jinja
 TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen_25": QWEN_25, "gemma": GEMMA, "gemma3": GEMMA3,
              "mistral_v1": MISTRAL_V1}
+
+# LLaMA-Factory's llama3: Llama 3's turns as its register_template writes them, the BOS before the first turn, each
+# content untrimmed (Meta's own template and LLAMA3 trim it), no system turn when the system message is empty
+# (Template._encode writes one only `if system`). Its tools (in the system turn), tool calls and results (ipython
+# turns, {"name", "parameters"} JSON) are its own text, which gapless does not write: a record with any is a template
+# error, skipped and counted
+LLAMAFACTORY_LLAMA3 = (
+    "{% if tools %}{{ raise_exception('LLaMA-Factory writes the tools into the system turn as its own text, which "
+    "gapless does not render') }}{% endif %}"
+    "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+    "{% if m['role'] == 'tool' or m['tool_calls'] %}"
+    "{{ raise_exception('LLaMA-Factory writes tool calls and results as its own ipython turns, which gapless does "
+    "not render') }}{% endif %}"
+    "{% if m['role'] != 'system' or m['content'] %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+# LLAMAFACTORY_LLAMA3 for train_on all or last_assistant (train_on_prompt, mask_history). LLaMA-Factory tokenizes each
+# message on its own; gapless cuts the text only where a trained answer starts, so an untrained answer that starts
+# with a newline merges it into the header's "\n\n" (Llama 3's BPE: "\n\n\n" one token, not "\n\n" and "\n").
+# Such a record is a template error, skipped and counted; any other text tokenizes alike across that cut (the
+# pre-tokenizer splits a header's "\n\n" from spaces or text after it)
+LLAMAFACTORY_LLAMA3_UNCUT = LLAMAFACTORY_LLAMA3.replace(
+    "{% if m['role'] != 'system' or m['content'] %}",
+    "{% if m['role'] == 'assistant' and m['content'] and m['content'][:1] in '\r\n' %}"
+    "{{ raise_exception('an answer that starts with a newline tokenizes unlike LLaMA-Factory when not every answer "
+    "trains (mask_history, train_on_prompt)') }}{% endif %}"
+    "{% if m['role'] != 'system' or m['content'] %}", 1)
+
+# LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (the
+# names it refuses, and why, are gapless.convert.LLAMAFACTORY_REFUSED)
+LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3}
+LLAMAFACTORY_UNCUT = {"llama3": LLAMAFACTORY_LLAMA3_UNCUT}

@@ -1,0 +1,148 @@
+"""LLaMA-Factory's `template:` names that the converter maps train the token ids and loss mask LLaMA-Factory trains,
+and the ones it refuses differ as the refusal says. `llamafactory_encode` re-implements, from its source
+(hiyouga/LLaMA-Factory src/llamafactory/data/template.py: register_template, Template._encode,
+_convert_elements_to_ids; data/processor/supervised.py: _encode_data_example), how LLaMA-Factory encodes a
+conversation: each message's slots filled in and tokenized on their own (`tokenizer.encode(text,
+add_special_tokens=False)`, {"bos_token"} / {"eos_token"} as the ids), the system message (or the template's
+default_system) written once before the first user turn, every assistant message trained, nothing else (no cutoff
+here: every conversation fits). gapless's side is its Encoder with the Jinja the converter writes.
+"""
+import pytest
+
+from gapless.data.chat_templates import LLAMAFACTORY, LLAMAFACTORY_UNCUT, TEMPLATES
+from gapless.data.formats import Example, SourceConfig, read_source
+from gapless.data.tokenize import Encoder, load_tokenizer
+
+BOS, EOS = {"bos_token"}, {"eos_token"}
+# register_template's slots (format_prefix, format_system, format_user, format_assistant) and default_system, as
+# data/template.py writes them
+SPECS = {
+    "llama3": {"prefix": [BOS],
+               "system": ["<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>"],
+               "user": ["<|start_header_id|>user<|end_header_id|>\n\n{{content}}<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n"],
+               "assistant": ["{{content}}<|eot_id|>"]},
+    "qwen": {"system": ["<|im_start|>system\n{{content}}<|im_end|>\n"],
+             "user": ["<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"],
+             "assistant": ["{{content}}<|im_end|>\n"],
+             "default_system": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."},
+}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}],
+    # untrimmed content: LLaMA-Factory writes it as it is
+    [{"role": "system", "content": "You answer briefly. "}, {"role": "user", "content": " What is 2+2?\n"},
+     {"role": "assistant", "content": "\n4"}, {"role": "user", "content": "And 3+3?"},
+     {"role": "assistant", "content": "6 \n"}],
+    # an empty system message writes no system turn
+    [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+]
+
+
+def llamafactory_encode(tok, spec: dict, messages: list[dict], last_only: bool = False) -> tuple[list, list]:
+    """LLaMA-Factory's input_ids and loss mask (1 where labels is not IGNORE_INDEX) of a conversation (an optional
+    system message, then user and assistant alternating); last_only: mask_history, the last answer alone trained."""
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    system = system or spec.get("default_system", "")
+
+    def encode(slots, content=""):
+        ids = []
+        for slot in slots:
+            if isinstance(slot, set):
+                ids += [tok.bos_token_id if "bos_token" in slot else tok.eos_token_id]
+            elif slot.replace("{{content}}", content):
+                ids += tok.encode(slot.replace("{{content}}", content), add_special_tokens=False)
+        return ids
+
+    ids, mask = [], []
+    last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
+    for i, m in enumerate(turns):
+        piece = encode(spec.get("prefix", [])) + (encode(spec["system"], system) if system else []) if i == 0 else []
+        if m["role"] == "user":
+            piece += encode(spec["user"], m["content"])
+            mask += [0] * len(piece)
+        else:
+            piece += encode(spec["assistant"], m["content"])
+            mask += [int(not last_only or i == last)] * len(piece)
+        ids += piece
+    return ids, mask
+
+
+def gapless_encode(tok, template: str, messages: list[dict], train_on: str = "assistant") -> tuple[list, list]:
+    chunk = Encoder(tok, template, max_seq_len=10**6, train_on=train_on, overlong="truncate").encode_chunk(
+        [Example("x.jsonl:1", messages=messages)])
+    assert not chunk.errors, chunk.errors
+    return chunk.ids[0].tolist(), chunk.mask[0].tolist()
+
+
+def shared_conversations(shared, tools: bool = False) -> list[list[dict]]:
+    """Multi-turn records of the shared messages/ files (user and assistant alternating after an optional system
+    message, as LLaMA-Factory's sharegpt reader requires), every other one given a system message."""
+    out = []
+    for name in ("oasst_en100_threads", "fastchat_dummy_conversation", "gpteacher_roleplay", "gsm8k_train"):
+        records = list(read_source(SourceConfig(path=str(shared / f"data/messages/{name}.jsonl"))))[:200]
+        for ex in sorted(records, key=lambda e: -len(e.messages))[:6]:
+            roles = [m["role"] for m in ex.messages if m["role"] != "system"]
+            if roles == ["user", "assistant"] * (len(roles) // 2) and roles:
+                out.append(ex.messages)
+    for messages in out[::2]:
+        if messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": "You are terse."})
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama3(shared):
+    return load_tokenizer(shared / "tokenizers/llama3")
+
+
+@pytest.fixture(scope="module")
+def qwen2(shared):
+    return load_tokenizer(shared / "tokenizers/qwen2")
+
+
+def test_llama3_trains_llamafactorys_ids_and_mask(shared, llama3):
+    """template: llama3, on the shared Llama 3 tokenizer: the same ids and trained tokens as LLaMA-Factory for every
+    conversation, untrimmed content and empty system messages included. gapless's Axolotl llama3 (which trims each
+    turn, as Meta's template does) is not it."""
+    conversations = CONVERSATIONS + shared_conversations(shared)
+    assert len(conversations) > 12 and sum(len(c) > 4 for c in conversations) > 4
+    for messages in conversations:
+        assert gapless_encode(llama3, LLAMAFACTORY["llama3"], messages) == \
+            llamafactory_encode(llama3, SPECS["llama3"], messages), messages
+    assert gapless_encode(llama3, TEMPLATES["llama3"], CONVERSATIONS[1])[0] != \
+        llamafactory_encode(llama3, SPECS["llama3"], CONVERSATIONS[1])[0]
+
+
+def test_llama3_under_mask_history_and_train_on_prompt(shared, llama3):
+    """mask_history (train_on last_assistant) and train_on_prompt (all) train LLaMA-Factory's ids and mask; a record
+    whose untrained answer starts with a newline (which gapless tokenizes together with the header before it) is a
+    template error, and gapless's ids for it would indeed differ."""
+    conversations = [c for c in CONVERSATIONS + shared_conversations(shared)
+                     if not any(m["role"] == "assistant" and m["content"][:1] == "\n" for m in c)]
+    assert len(conversations) > 12
+    for messages in conversations:
+        ids, mask = llamafactory_encode(llama3, SPECS["llama3"], messages, last_only=True)
+        assert gapless_encode(llama3, LLAMAFACTORY_UNCUT["llama3"], messages, "last_assistant") == (ids, mask)
+        assert gapless_encode(llama3, LLAMAFACTORY_UNCUT["llama3"], messages, "all") == (ids, [1] * len(ids))
+    newline = CONVERSATIONS[1]  # its first answer is "\n4"
+    assert gapless_encode(llama3, LLAMAFACTORY["llama3"], newline, "last_assistant")[0] != \
+        llamafactory_encode(llama3, SPECS["llama3"], newline)[0]
+    chunk = Encoder(llama3, LLAMAFACTORY_UNCUT["llama3"], max_seq_len=10**6, train_on="last_assistant",
+                    overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=newline)])
+    assert [e.reason for e in chunk.errors] == ["template_error"] and "starts with a newline" in str(chunk.errors[0])
+
+
+def test_llama3_tool_turns_are_counted_template_errors(shared, llama3):
+    """LLaMA-Factory writes glaive's tools into the system turn, and its function_call and observation turns as
+    ipython turns, as its own text: such a record is skipped as a template error, never trained as something
+    else."""
+    examples = list(read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl"))))[:20]
+    enc = Encoder(llama3, LLAMAFACTORY["llama3"], max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    chunk = enc.encode_chunk(examples)
+    calls = {ex.where for ex in examples if any(m["role"] == "tool" or m.get("is_tool_call") for m in ex.messages)}
+    tools = {ex.where for ex in examples if ex.tools}
+    assert len(calls) > 5 and tools >= calls
+    assert {e.where for e in chunk.errors} == tools | calls and len(chunk.ids) == len(examples) - len(tools | calls)
+    assert all(e.reason == "template_error" and "LLaMA-Factory writes" in str(e) for e in chunk.errors)
