@@ -9,6 +9,7 @@ here: every conversation fits). gapless's side is its Encoder with the Jinja the
 """
 import pytest
 
+import chat_templates
 from gapless.data.chat_templates import LLAMAFACTORY, LLAMAFACTORY_UNCUT, TEMPLATES
 from gapless.data.formats import Example, SourceConfig, read_source
 from gapless.data.tokenize import Encoder, load_tokenizer
@@ -146,3 +147,33 @@ def test_llama3_tool_turns_are_counted_template_errors(shared, llama3):
     assert len(calls) > 5 and tools >= calls
     assert {e.where for e in chunk.errors} == tools | calls and len(chunk.ids) == len(examples) - len(tools | calls)
     assert all(e.reason == "template_error" and "LLaMA-Factory writes" in str(e) for e in chunk.errors)
+
+
+@pytest.mark.parametrize("default_system", [True, False])
+def test_qwen_ids_match_but_llamafactory_trains_the_newline_after_im_end(shared, qwen2, default_system):
+    """Why qwen, qwen3_nothink and chatml are refused: Qwen2.5's own template (with the same default system prompt)
+    and ChatML (without one) render LLaMA-Factory's ids, on the shared Qwen2 tokenizer, but LLaMA-Factory's labels
+    also hold the newline after each <|im_end|>, which gapless never trains: one token a turn."""
+    spec = SPECS["qwen"] if default_system else {**SPECS["qwen"], "default_system": ""}
+    template = chat_templates.QWEN25 if default_system else TEMPLATES["chatml"]
+    newline = qwen2.encode("\n", add_special_tokens=False)
+    for messages in CONVERSATIONS[:2] + shared_conversations(shared)[:6]:
+        ids, mask = llamafactory_encode(qwen2, spec, messages)
+        got_ids, got_mask = gapless_encode(qwen2, template, messages)
+        assert got_ids == ids, messages
+        differ = [k for k, (a, b) in enumerate(zip(mask, got_mask)) if a != b]
+        answers = sum(m["role"] == "assistant" for m in messages)
+        assert len(differ) == answers and all(mask[k] == 1 and [ids[k]] == newline
+                                              and qwen2.decode(ids[k - 1]) == "<|im_end|>" for k in differ)
+
+
+def test_empty_tokenizes_where_turns_join_unlike_llamafactory(qwen2):
+    """Why empty is refused: LLaMA-Factory tokenizes each turn on its own; gapless cuts only where an answer starts,
+    so an answer and the user turn after it that join inside a word tokenize as one."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    spec = {"system": ["{{content}}"], "user": ["{{content}}"], "assistant": ["{{content}}"]}
+    messages = [{"role": "user", "content": "Say foot"}, {"role": "assistant", "content": "foot"},
+                {"role": "user", "content": "ball"}, {"role": "assistant", "content": "ok"}]
+    ids = llamafactory_encode(qwen2, spec, messages)[0]
+    assert gapless_encode(qwen2, template, messages)[0] != ids
+    assert gapless_encode(qwen2, template, messages[:2]) == llamafactory_encode(qwen2, spec, messages[:2])

@@ -1224,6 +1224,31 @@ LLAMAFACTORY_IGNORABLE = {
     "stage": None, "finetuning_type": None, "template": None, "dataset_dir": None, "mix_strategy": None,
     "tokenized_path": None, "packing": None, "neat_packing": None, "mask_history": None, "train_on_prompt": None,
 }
+# LLaMA-Factory's templates gapless cannot train as it does (src/llamafactory/data/template.py there): name -> why.
+# gapless trains an answer through its end-of-turn token, never the separator a template writes after it, and cuts
+# the text only where a trained answer starts (gapless.data.tokenize)
+_TRAINS_NEWLINE = ("LLaMA-Factory trains the newline it writes after each {end} (format_assistant "
+                   "'{{{{content}}}}{end}\\n'); gapless trains an answer through {end}: the loss masks differ by "
+                   "one token a turn")
+LLAMAFACTORY_REFUSED = {
+    **{name: _TRAINS_NEWLINE.format(end="<|im_end|>") for name in ("chatml", "qwen", "qwen2_vl", "yi")},
+    "qwen3": _TRAINS_NEWLINE.format(end="<|im_end|>") + "; and it trains an empty <think></think> block it puts "
+             "into answers without one (ReasoningTemplate with enable_thinking)",
+    "qwen3_nothink": _TRAINS_NEWLINE.format(end="<|im_end|>"),
+    **{name: _TRAINS_NEWLINE.format(end="<end_of_turn>") for name in ("gemma", "gemma3")},
+    "gemma2": "efficient_eos: LLaMA-Factory trains the newline after each <end_of_turn>, an eos label at each next "
+              "prompt's first token and an eos it appends to the conversation",
+    "default": "LLaMA-Factory trains the newline it writes after each answer's eos ('{{content}}', eos, '\\n'); "
+               "gapless trains an answer through its end-of-turn token",
+    "empty": "LLaMA-Factory writes the turns back to back and tokenizes each on its own; gapless tokenizes an answer "
+             "together with the turn after it, so the tokens where they join differ",
+    "mistral": "LLaMA-Factory writes the system message into the first user turn and tokenizes ' ANSWER' apart with "
+               "SentencePiece's leading-space rules; Mistral's own template writes it into the last user turn and "
+               "gapless ships no template that reproduces LLaMA-Factory's pieces",
+    "llama2": "LLaMA-Factory writes each answer right after ' [/INST]', tokenized apart by SentencePiece, then the "
+              "eos; Llama-2-chat's own template writes ' ANSWER </s>' (stripped), and gapless ships none that "
+              "reproduces LLaMA-Factory's",
+}
 # LoRA keys that only mean something with finetuning_type lora
 LLAMAFACTORY_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_rslora", "additional_target",
                           "loraplus_lr_ratio", "loraplus_lr_embedding", "pissa_iter", "pissa_convert",
@@ -1308,7 +1333,9 @@ def convert_llamafactory(raw: dict) -> Conversion:
     template = c.get("template")
     if template is None:
         c.conv.applied.append(("template: (unset)", "data.chat_template unset: the tokenizer's own (LLaMA-Factory "
-                                                    "reads the tokenizer's template when template is unset)"))
+                                                    "reads the tokenizer's template when template is unset; it also "
+                                                    "trains any text that template writes after an answer's "
+                                                    "end-of-turn token, ChatML's newline, which gapless does not)"))
     elif template in LLAMAFACTORY:
         # gapless.data.chat_templates: the Jinja whose ids and loss mask are LLaMA-Factory's; when some answers do not
         # train, the one that also skips the records gapless would tokenize otherwise
@@ -1318,9 +1345,9 @@ def convert_llamafactory(raw: dict) -> Conversion:
               "turns are skipped and counted" + ("" if every_answer else ", and those with an untrained answer "
                                                                          "starting with a newline"))
     else:
-        c.refuse("template", "gapless trains LLaMA-Factory's "
-                             f"{', '.join(LLAMAFACTORY)} as it does; for another, unset template (the "
-                             "tokenizer's own chat template) or set data.chat_template to its Jinja")
+        c.refuse("template", (LLAMAFACTORY_REFUSED[template] + "; " if template in LLAMAFACTORY_REFUSED else "")
+                 + f"gapless trains LLaMA-Factory's {', '.join(LLAMAFACTORY)} as it does; for another, unset "
+                   "template (the tokenizer's own chat template) or set data.chat_template to its Jinja")
     if c.get("mix_strategy", "concat") != "concat":
         c.refuse("mix_strategy", "gapless concatenates its sources (mix_strategy: concat)")
     elif "mix_strategy" in raw:
