@@ -290,6 +290,19 @@ def test_a_converted_configs_errors_name_its_file(files, tmp_path):
     assert load_any(path, cpu(files) + ["data.eval_fraction=0.1"], out=io.StringIO()).train.eval_every == 10
 
 
+def test_data_doctor_and_plan_read_a_peer_config_as_train_does(files, tmp_path, capsys):
+    """`gapless data`, `doctor` and `plan` on a TRL config: each read its keys as gapless fields (model: required
+    field is missing; data.use_peft: unknown key), where train converts it."""
+    path = write(files, TRL, "trl_cmds.yaml", out=tmp_path / "run", chat=files["trl_chat"])
+    assert main(["data", str(path), f"data.cache_dir={tmp_path / 'cache'}", "--set", "max_seq_len=32"]) == 0
+    out, err = capsys.readouterr()
+    assert "trl config -> gapless" in err and "max_seq_len 32" in out
+    assert main(["plan", str(path), "--gpus", "H100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["workload"]["method"] == "lora"
+    assert main(["doctor", str(path), *cpu(files)]) in (0, 1)  # findings, not a config error (exit 2)
+    assert "cfg.tokens_per_step" in capsys.readouterr().out
+
+
 def test_convert_config_cli_names_the_hub_ids_to_download(files, tmp_path, capsys):
     # axolotl examples/llama-3/qlora-1b.yml: a hub model and a hub dataset, written as they are, said before training
     raw = yaml.safe_load(AXOLOTL.format(**files, out=tmp_path / "run"))

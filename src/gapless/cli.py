@@ -51,9 +51,33 @@ def run_data(args) -> int:
 
     if args.example < 0:
         raise ValueError(f"--example: {args.example}; give the number of a document, from 0")
-    cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides, format=args.format)
+    peer = _peer_config(args.inputs[0], args.inputs[1:])
+    if peer is not None:  # an Axolotl, TRL or LLaMA-Factory config: its data as converted, as train reads it
+        from dataclasses import replace
+
+        from gapless.config import apply_overrides, from_dict
+        from gapless.data.summary import DataConfig
+
+        section = vars(replace(peer.data, tokenizer=args.tokenizer or peer.data.tokenizer or peer.model.path))
+        cfg = from_dict(DataConfig, apply_overrides(
+            {k: v for k, v in section.items()}, [o.removeprefix("data.") for o in args.overrides]), "data")
+    else:
+        cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides,
+                                      format=args.format)
     inspect(cfg, as_json=args.json, example=args.example)
     return 0
+
+
+def _peer_config(path: str, overrides: list[str]):
+    """The run config of an Axolotl, TRL or LLaMA-Factory YAML (converted, its mapping printed: gapless.convert),
+    for the commands that take a config as train does; None for a gapless config or anything else."""
+    from gapless.config import read_yaml
+    from gapless.convert import detect, load_any
+
+    if Path(path).suffix not in (".yaml", ".yml") or not Path(path).is_file():
+        return None
+    raw = read_yaml(path)
+    return load_any(path, overrides) if isinstance(raw, dict) and detect(raw) != "gapless" else None
 
 
 COMMANDS.append(register_data)
@@ -402,10 +426,10 @@ def register_plan(sub) -> None:
 def run_plan(args) -> int:
     import json
 
-    from gapless.config import load_config
+    from gapless.convert import load_any
     from gapless.diagnosis.plan import format_plan, plan, plan_json
 
-    preds, workload, stops = plan(load_config(args.config, args.overrides), args.gpus, strategy=args.strategy,
+    preds, workload, stops = plan(load_any(args.config, args.overrides), args.gpus, strategy=args.strategy,
                                   run=args.run, measured=args.measured, startup_s=args.startup_s)
     print(json.dumps(plan_json(preds, workload, stops)) if args.json else format_plan(preds, workload, stops))
     return 0

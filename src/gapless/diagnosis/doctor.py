@@ -995,7 +995,9 @@ def diagnose_target(target: str | None, overrides: list[str] = (), env: dict | N
         if (run / "metrics.jsonl").is_file():
             result["findings"] += run_findings(run)
         return result
-    return diagnose(load_config(target, overrides), env, gpus=gpus)
+    from gapless.convert import load_any
+
+    return diagnose(load_any(target, overrides), env, gpus=gpus)  # a gapless, Axolotl, TRL or LLaMA-Factory config
 
 
 def format_findings(findings: list[Finding], show_ok: bool = True) -> str:

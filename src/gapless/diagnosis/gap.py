@@ -70,7 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gapless.config import RunConfig, load_config
+from gapless.config import RunConfig
+from gapless.convert import load_any
 from gapless.model.loading import read_model_args
 
 DEFAULT_STEPS = 20  # measured steps per window (plus 1 warm-up step); 1-2 s a window for the demo model on a CPU
@@ -562,7 +563,7 @@ def run_gap(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ste
         if not (path / "config.yaml").is_file():
             raise ValueError(f"{path}: no config.yaml in this folder; give a YAML config or a run folder")
         run_dir, path = path, path / "config.yaml"
-    cfg = load_config(path, list(overrides))
+    cfg = load_any(path, list(overrides))  # a gapless, Axolotl, TRL or LLaMA-Factory config (gapless.convert)
     out = Path(out) if out is not None else (run_dir / "gap" if run_dir is not None else Path("runs/gap"))
     ranks = startup = None
     if run_dir is not None and (run_dir / "metrics.jsonl").is_file():  # a torchrun run: its communication, measured

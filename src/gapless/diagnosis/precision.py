@@ -15,6 +15,7 @@ steady real tokens/s (gapless.train.loop.RunResult). One HTML page with the curv
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ import torch
 import yaml
 
 from gapless.config import load_config
+from gapless.convert import load_any
 
 VARIANTS = ("fp32", "tf32", "bf16", "fp16")
 
@@ -72,7 +74,10 @@ def compare_precision(config: str | Path | None, overrides: list[str] = (), *, s
     rows = []
     gpu = torch.cuda.is_available()
     for name in variants:
-        cfg = load_config(config, [*overrides, *variant_overrides(name, steps, out)], data=data)
+        variant = [*overrides, *variant_overrides(name, steps, out)]
+        # a gapless, Axolotl, TRL or LLaMA-Factory config (gapless.convert), its mapping printed once
+        cfg = (load_config(config, variant, data=data) if data is not None else
+               load_any(config, variant, out=None if name == variants[0] else io.StringIO()))
         note = "" if gpu or name != "tf32" else "the CPU has no TF32: the same computation as fp32"
         if name in ("bf16", "fp16") and (not gpu or cfg.model.device == "cpu"):
             note = f"{name} on the CPU: correct but slow (no {name} matmul units on most CPUs)"
