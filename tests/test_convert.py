@@ -14,6 +14,7 @@ from gapless.cli import main
 from gapless.config import ALL_LINEAR, from_dict, RunConfig
 from gapless.convert import check_local, check_run_paths, convert, detect, load_any
 from gapless.data.chat_templates import LLAMAFACTORY as LF_JINJA, LLAMAFACTORY_UNCUT as LF_JINJA_UNCUT
+from gapless.data.chat_templates import TEMPLATES
 from gapless.demo import write_base_model
 from gapless.train.loop import train
 
@@ -1028,6 +1029,17 @@ def test_llamafactory_converts_and_trains(files, lf_dir, capsys):
     assert len(result.losses) == 3 and (result.run_dir / "adapter").is_dir()
 
 
+@pytest.mark.parametrize("template, name", [("qwen", "qwen_25"), ("chatml", "chatml"), ("qwen3_nothink", "chatml")])
+def test_llamafactory_chatml_templates_train_their_ids_and_say_the_newline(files, lf_dir, template, name):
+    """LLaMA-Factory's qwen (Qwen2.5's default system prompt), chatml and qwen3_nothink: gapless's template of the same
+    ids (tests/test_llamafactory_templates.py), the one token a turn it does not train said in the mapping."""
+    conv = convert(lf_raw(files, lf_dir, template=template))
+    assert conv.config["data"]["chat_template"] == TEMPLATES[name]
+    (said,) = [t for s, t in conv.applied if s.startswith("template:")]
+    assert f"(gapless's {name} template: LLaMA-Factory's {template} token ids" in said
+    assert "trains the newline it writes after each <|im_end|>" in said and "one token a turn" in said
+
+
 def test_llamafactory_detection_is_not_trls(files, lf_dir):
     trl = yaml.safe_load(TRL.format(**files, out="x"))
     assert detect(trl) == "trl"
@@ -1091,10 +1103,9 @@ def test_llamafactory_hub_datasets_are_paths_and_dataset_dir_online(files, lf_di
     ({"pissa_init": True}, "pissa_init: true: PiSSA"),
     ({"loraplus_lr_ratio": 16.0}, "loraplus_lr_ratio: 16.0: LoRA\\+"),
     ({"packing": True}, "packing: true: LLaMA-Factory's packing lets each document attend .*neat_packing: true"),
-    ({"template": "baichuan2"}, "template: baichuan2: gapless trains LLaMA-Factory's llama3 as it does"),
-    ({"template": "qwen"}, r"template: qwen: LLaMA-Factory trains the newline it writes after each <\|im_end\|>"),
+    ({"template": "baichuan2"}, "template: baichuan2: gapless trains LLaMA-Factory's llama3, qwen, chatml, "
+                                "qwen3_nothink; for another"),
     ({"template": "qwen3"}, r"template: qwen3: .*newline .*<\|im_end\|>.*empty <think></think> block"),
-    ({"template": "qwen3_nothink"}, r"template: qwen3_nothink: .*newline it writes after each <\|im_end\|>"),
     ({"template": "gemma3"}, r"template: gemma3: .*newline it writes after each <end_of_turn>"),
     ({"template": "gemma2"}, "template: gemma2: efficient_eos"),
     ({"template": "default"}, "template: default: .*newline it writes after each answer's eos"),

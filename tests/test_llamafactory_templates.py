@@ -151,11 +151,12 @@ def test_llama3_tool_turns_are_counted_template_errors(shared, llama3):
 
 @pytest.mark.parametrize("default_system", [True, False])
 def test_qwen_ids_match_but_llamafactory_trains_the_newline_after_im_end(shared, qwen2, default_system):
-    """Why qwen, qwen3_nothink and chatml are refused: Qwen2.5's own template (with the same default system prompt)
-    and ChatML (without one) render LLaMA-Factory's ids, on the shared Qwen2 tokenizer, but LLaMA-Factory's labels
-    also hold the newline after each <|im_end|>, which gapless never trains: one token a turn."""
+    """What qwen, qwen3_nothink and chatml map to (convert.LLAMAFACTORY_NEAR): gapless's qwen_25 template (Qwen2.5's
+    own, with the same default system prompt) and chatml (without one) render LLaMA-Factory's ids, on the shared Qwen2
+    tokenizer, but LLaMA-Factory's labels also hold the newline after each <|im_end|>, which gapless never trains: one
+    token a turn, which the mapping says."""
     spec = SPECS["qwen"] if default_system else {**SPECS["qwen"], "default_system": ""}
-    template = chat_templates.QWEN25 if default_system else TEMPLATES["chatml"]
+    template = TEMPLATES["qwen_25"] if default_system else TEMPLATES["chatml"]
     newline = qwen2.encode("\n", add_special_tokens=False)
     for messages in CONVERSATIONS[:2] + shared_conversations(shared)[:6]:
         ids, mask = llamafactory_encode(qwen2, spec, messages)

@@ -1230,11 +1230,14 @@ LLAMAFACTORY_IGNORABLE = {
 _TRAINS_NEWLINE = ("LLaMA-Factory trains the newline it writes after each {end} (format_assistant "
                    "'{{{{content}}}}{end}\\n'); gapless trains an answer through {end}: the loss masks differ by "
                    "one token a turn")
+# LLaMA-Factory's templates whose token ids a gapless named template (gapless.data.chat_templates.TEMPLATES) gives
+# exactly, and whose loss mask differs in the one token _TRAINS_NEWLINE says (test_llamafactory_templates.py, on the
+# Qwen2 tokenizer): trained as that template, with the difference said in the mapping, as an unset template is
+LLAMAFACTORY_NEAR = {"qwen": "qwen_25", "chatml": "chatml", "qwen3_nothink": "chatml"}
 LLAMAFACTORY_REFUSED = {
-    **{name: _TRAINS_NEWLINE.format(end="<|im_end|>") for name in ("chatml", "qwen", "qwen2_vl", "yi")},
+    **{name: _TRAINS_NEWLINE.format(end="<|im_end|>") for name in ("qwen2_vl", "yi")},
     "qwen3": _TRAINS_NEWLINE.format(end="<|im_end|>") + "; and it trains an empty <think></think> block it puts "
              "into answers without one (ReasoningTemplate with enable_thinking)",
-    "qwen3_nothink": _TRAINS_NEWLINE.format(end="<|im_end|>"),
     **{name: _TRAINS_NEWLINE.format(end="<end_of_turn>") for name in ("gemma", "gemma3")},
     "gemma2": "efficient_eos: LLaMA-Factory trains the newline after each <end_of_turn>, an eos label at each next "
               "prompt's first token and an eos it appends to the conversation",
@@ -1344,10 +1347,16 @@ def convert_llamafactory(raw: dict) -> Conversion:
               f"LLaMA-Factory's {template} turns as Jinja: its token ids and loss mask; records with tools or tool "
               "turns are skipped and counted" + ("" if every_answer else ", and those with an untrained answer "
                                                                          "starting with a newline"))
+    elif template in LLAMAFACTORY_NEAR:
+        name = LLAMAFACTORY_NEAR[template]
+        c.put("template", "data.chat_template", TEMPLATES[name],
+              f"gapless's {name} template: LLaMA-Factory's {template} token ids"
+              + (", its default system prompt too" if template == "qwen" else "")
+              + "; " + _TRAINS_NEWLINE.format(end="<|im_end|>"))
     else:
         c.refuse("template", (LLAMAFACTORY_REFUSED[template] + "; " if template in LLAMAFACTORY_REFUSED else "")
-                 + f"gapless trains LLaMA-Factory's {', '.join(LLAMAFACTORY)} as it does; for another, unset "
-                   "template (the tokenizer's own chat template) or set data.chat_template to its Jinja")
+                 + f"gapless trains LLaMA-Factory's {', '.join([*LLAMAFACTORY, *LLAMAFACTORY_NEAR])}; for another, "
+                   "unset template (the tokenizer's own chat template) or set data.chat_template to its Jinja")
     if c.get("mix_strategy", "concat") != "concat":
         c.refuse("mix_strategy", "gapless concatenates its sources (mix_strategy: concat)")
     elif "mix_strategy" in raw:
