@@ -28,14 +28,17 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the meaning of the cached arrays changes (masking rules, layout): old folders stop matching.
-CACHE_VERSION = 9  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
+CACHE_VERSION = 10  # 2: OpenAI tool_calls kept as JSON text under templates without tool_calls; 3: content parts,
 # conversational prompt-completion and per-file format detection read records that were skipped as errors before;
 # 4: chat-template masking (sessions 13-14): turns a template rewrites are located or skipped, JSON-string tool-call
 # arguments parsed, null content beside calls, named template sets, Qwen3's earlier turns trained; 5: groups.npy (the
 # threads of an OpenAssistant tree, held out together; a version-4 folder of oasst data would split them apart);
 # 6: prompt-completion records keep their tools; 7: tool definitions without null keys (Arrow's padding);
 # 8: KTO rows of label false left out; 9: KTO labels as text ("False" in a CSV) left out too, Capybara's
-# {input, output} pairs and glaive-function-calling-v2's chat strings read (refused before)
+# {input, output} pairs and glaive-function-calling-v2's chat strings read (refused before); 10: tool calls in the
+# form the template renders (null content, arguments as text: DeepSeek-R1's), a call turn whose prompt the template
+# rewrites located from the shared part of its generation prompt (QwQ's "<think>\n"), and a turn whose calls the
+# template drops skipped as tool_calls_not_rendered (it trained an empty answer)
 
 
 class TokenizedDataset:

@@ -49,6 +49,7 @@ MARKER = "\ue000gapless-answer\ue001"  # private-use characters: no template or 
 OVERLONG, TRUNCATED_AWAY = "overlong", "truncated_away"  # overlong=drop; truncation removed every trained token
 NOT_A_PREFIX = "template_not_prefix"  # the template renders a turn differently within the whole conversation
 UNENCODABLE = "unencodable"  # text the tokenizer refuses (a vocabulary with no unknown token nor byte fallback)
+CALLS_NOT_RENDERED = "tool_calls_not_rendered"  # a turn's tool calls the template writes nothing of
 EMPTY_ANSWER = "empty_answer"  # an assistant turn to train with no text and no tool call (an empty CSV cell)
 # The names an assistant turn's reasoning goes by beside its answer (transformers' apply_chat_template passes each
 # under all three: OpenAI-compatible servers' reasoning_content, gpt-oss's thinking)
@@ -141,6 +142,16 @@ def _reasoning(message: dict) -> str | None:
     return text.strip() if text else None
 
 
+def _arguments_as_text(call):
+    """An OpenAI-style tool call with its `arguments` object as JSON text (the form OpenAI writes); any other call
+    as it is."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments", ""), str):
+        return call
+    function = {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+    return {**call, "function": function} if "function" in call else function
+
+
 def _arguments_parsed(call):
     """An OpenAI-style tool call whose `arguments` is a JSON string, with the object the string holds: templates
     write arguments with tojson (transformers' chat templates take them as a dict), which quotes a string
@@ -200,9 +211,8 @@ class Encoder:
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
         if m.get("tool_calls") and self.renders_tool_calls and isinstance(m["tool_calls"], list):
-            # content null beside calls (OpenAI's form) as "": Qwen3's template reads `'</think>' in content`
-            return {**m, "content": m.get("content") or "",
-                    "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
+            # content null beside calls as OpenAI writes it, or "" where the template needs text (template_messages)
+            return {**m, "tool_calls": [_arguments_parsed(call) for call in m["tool_calls"]]}
         if not (m.get("is_tool_call") and self.renders_tool_calls and "tool_calls" not in m):
             return m
         try:
@@ -212,7 +222,35 @@ class Encoder:
         if not isinstance(call, dict) or "name" not in call:
             return m
         function = {"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))}
-        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+        return {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": function}]}
+
+    def template_messages(self, messages: list[dict], tools: list | None) -> list[dict]:
+        """The messages as this template renders them (_for_template), tool calls in the first form it renders
+        without failing: a call's content null (OpenAI's) or "" (Qwen3's template reads `'</think>' in content`),
+        its arguments an object (written with tojson: Llama 3.1, Qwen2.5) or JSON text (concatenated:
+        DeepSeek-R1's `+ tool['function']['arguments'] +`). Null before "": DeepSeek-R1-Distill-Llama's renders a
+        call only where content is none, and an empty answer in its place for "". Where every form fails, the
+        first, whose error the record's template_error gives."""
+        messages = [self._for_template(m) for m in messages]
+        calls = [i for i, m in enumerate(messages) if m.get("tool_calls") and isinstance(m["tool_calls"], list)]
+        if not calls or not self.renders_tool_calls:
+            return messages
+        forms = [(text, empty) for empty in (False, True) for text in (False, True)]
+        for text, empty in forms:
+            form = list(messages)
+            for i in calls:
+                m = form[i]
+                if empty:
+                    m = {**m, "content": m.get("content") or ""}
+                if text:
+                    m = {**m, "tool_calls": [_arguments_as_text(call) for call in m["tool_calls"]]}
+                form[i] = m
+            try:
+                self.render(form, tools, False)
+            except Exception:
+                continue
+            return form
+        return messages
 
     def chat_text(self, ex: Example, counts: Counter) -> tuple[str, list[tuple[int, int]] | None]:
         """The rendered conversation and the character spans of the assistant turns to train
@@ -223,13 +261,13 @@ class Encoder:
                              "file (format text needs none)")
         if ex.tools and self.tool_use is not None:
             return self.tool_use.chat_text(ex, counts)
-        messages = [self._for_template(m) for m in ex.messages]
-        if not self.renders_tool_calls and any(m.get("tool_calls") for m in ex.messages):
-            counts["tool_calls_as_text"] += 1
         tools = ex.tools or None
         if tools and not self.renders_tools:
             counts["tools_not_rendered"] += 1
             tools = None
+        messages = self.template_messages(ex.messages, tools)
+        if not self.renders_tool_calls and any(m.get("tool_calls") for m in ex.messages):
+            counts["tool_calls_as_text"] += 1
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         # OpenAI's weight 0: an answer left out of the loss (still in the conversation); last_assistant: the last
         # answer, when its weight lets it train
@@ -270,8 +308,8 @@ class Encoder:
             end_of_turn = self._end_of_turn(full, *located[last])
             for i, _ in unlocated:
                 later = [span[0] for j, span in located.items() if j > i and not isinstance(span, str)]
-                located[i] = self._to_end_of_turn(full, prompts[i], end_of_turn,
-                                                  min(later, default=len(full))) or located[i]
+                start = self._turn_start(ex, messages, tools, full, i, prompts[i])
+                located[i] = self._to_end_of_turn(full, start, end_of_turn, min(later, default=len(full))) or located[i]
             unlocated = [(i, what) for i, what in located.items() if isinstance(what, str)]
         spans = [located[i] for i in turns]
         if unlocated:
@@ -283,6 +321,16 @@ class Encoder:
                 f"so assistant turn messages[{i}] cannot be located (the template writes a turn differently once "
                 "the conversation goes on, and neither the turn's text nor an end-of-turn token after its prompt "
                 f"places it); {fix} to a template that renders each turn the same whatever follows"))
+        for i, (s, e) in zip(turns, spans):
+            # a template that takes no call in the form given writes an empty answer in its place (DeepSeek-R1-
+            # Distill-Llama's renders calls only where content is none, a key transformers drops): never trained
+            names = [c.get("function", c).get("name") for c in messages[i].get("tool_calls") or []
+                     if isinstance(c, dict) and isinstance(c.get("function", c), dict)]
+            if any(isinstance(n, str) and n not in full[s:e] for n in names):
+                raise RecordError(ex.where, f"messages[{i}].tool_calls", CALLS_NOT_RENDERED,
+                                  "the chat template writes nothing of this assistant turn's tool calls (it would "
+                                  "train an empty answer in their place); set data.chat_template to one that "
+                                  "renders tool calls, or remove the record")
         if system_lost:
             counts["system_not_rendered"] += 1
         return full, spans
@@ -318,16 +366,34 @@ class Encoder:
             pass
         return last.group() if last else None
 
-    def _to_end_of_turn(self, full: str, prompt: str, end_of_turn: str | None, before: int) -> tuple[int, int] | None:
-        """A turn's span where its `prompt` (what precedes it, with the generation prompt) is a prefix of `full`: to
-        the end of the first `end_of_turn` after the prompt, which must come before `before` (the next located
-        turn's start)."""
-        if not end_of_turn:
+    def _turn_start(self, ex: Example, messages: list[dict], tools: list | None, full: str, i: int,
+                    prompt: str) -> int | None:
+        """Where turn i starts in `full`: the end of its `prompt` (messages[:i] and the generation prompt) where that
+        is a prefix of `full`; else, where messages[:i] without it is, the end of the part of the generation prompt
+        that `full` writes too, cut back to a special token's end or whitespace (QwQ's and DeepSeek-R1's generation
+        prompts end in "<think>\n", which a conversation's turn has not: "<|im_start|>assistant\n" starts QwQ's
+        tool call "<tool_call>", not its "<" alone); None where neither is."""
+        if full.startswith(prompt):
+            return len(prompt)
+        before = self._render(ex, messages[:i], tools, False)
+        if not (full.startswith(before) and prompt.startswith(before)):
             return None
-        at = full.find(end_of_turn, len(prompt)) if full.startswith(prompt) else -1
+        k = self._shared_prefix(full, prompt)
+        while k > len(before) and not (full[k - 1].isspace() or any(
+                m.end() == k for m in self.special_text.finditer(full, max(k - self.longest_special, 0), k))):
+            k -= 1
+        return k
+
+    def _to_end_of_turn(self, full: str, start: int | None, end_of_turn: str | None,
+                        before: int) -> tuple[int, int] | None:
+        """A turn's span from `start` (_turn_start) to the end of the first `end_of_turn` after it, which must come
+        before `before` (the next located turn's start)."""
+        if not end_of_turn or start is None:
+            return None
+        at = full.find(end_of_turn, start)
         if at < 0 or at + len(end_of_turn) > before:
             return None
-        return len(prompt), at + len(end_of_turn)
+        return start, at + len(end_of_turn)
 
     def _marked_span(self, ex: Example, messages: list[dict], tools: list | None, full: str,
                      i: int) -> tuple[int, int] | None:
