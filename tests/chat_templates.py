@@ -11,6 +11,30 @@ Each is the `chat_template` of the model's tokenizer_config.json on the Hugging 
   GEMMA2   google/gemma-2-2b-it: llama.cpp's models/templates/google-gemma-2-2b-it.jinja (ye-NX/llama.cpp).
   GEMMA3   google/gemma-3-270m-it (the Gemma 3 family's): as an inference worker of the iii project sets it.
   PHI35    microsoft/Phi-3.5-mini-instruct: llama.cpp's models/templates/microsoft-Phi-3.5-mini-instruct.jinja.
+  LLAMA33  meta-llama/Llama-3.3-70B-Instruct: llama.cpp's models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja
+           (ye-NX/llama.cpp at b354d7c9): Llama 3.1's form, builtin_tools, <|eom_id|>, "Environment: ipython" and the
+           fixed date 26 Jul 2024 (no strftime_now). Not checked against Llama-3.1-8B-Instruct's own file.
+  DEEPSEEK_R1_QWEN   deepseek-ai/DeepSeek-R1-Distill-Qwen-32B: llama.cpp's
+           models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja (ggml-org/llama.cpp at 20bdc4fa). Drops
+           everything up to </think> from every assistant turn; its generation prompt ends in "<think>\n".
+  DEEPSEEK_R1_LLAMA  deepseek-ai/DeepSeek-R1-Distill-Llama-8B: llama.cpp's
+           models/templates/deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja (acproject/seq2seq_llama.cpp at 6626e786;
+           Raudbjorn's fork holds it as a Git LFS pointer). Renders tool calls only where content is none.
+  QWQ      Qwen/QwQ-32B: llama.cpp's models/templates/Qwen-QwQ-32B.jinja (ye-NX/llama.cpp at b354d7c9).
+  HERMES3_TOOL_USE   NousResearch/Hermes-3-Llama-3.1-8B, its `tool_use` set: llama.cpp's
+           models/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja (ye-NX/llama.cpp; real newlines in
+           its string literals, as there).
+  HERMES3  the `default` set beside it, ChatML with bos_token, as an app's constants (Stanford, for
+           mlx-community/Hermes-2-Pro-Llama-3-8B) and Bielik's tokenizer_config.json quote it. Not read from Hermes 3's
+           own file.
+  MISTRAL_NEMO  mistralai/Mistral-Nemo-Instruct-2407: llama.cpp's
+           models/templates/mistralai-Mistral-Nemo-Instruct-2407.jinja (ye-NX/llama.cpp at b354d7c9).
+  MISTRAL_SMALL3  mistralai/Mistral-Small-24B-Instruct-2501 (v7 tekken, [SYSTEM_PROMPT] and a default system prompt
+           dated with strftime_now): a Rust chat-template crate's test, checked there against transformers' output.
+  ZEPHYR   HuggingFaceH4/zephyr-7b-beta, the template TinyLlama/TinyLlama-1.1B-Chat-v1.0 ships: the same Rust test
+           file (real newlines, as the JSON has them).
+  SMOLLM2  HuggingFaceTB/SmolLM2-Instruct: a Python test of a chat-template renderer (etalii_dllm) that quotes it.
+Not added: SmolLM3 (llama.cpp's copy is Unsloth's edit, not the Hub's), Qwen2.5-Coder (the same text as QWEN25).
 Backslash-n inside a Jinja string literal is Jinja's escape, as in the JSON files; GEMMA2 and PHI35 hold real
 newlines there, as llama.cpp's copies do (the same rendering).
 """
