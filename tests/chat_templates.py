@@ -34,7 +34,7 @@ Each is the `chat_template` of the model's tokenizer_config.json on the Hugging 
   ZEPHYR   HuggingFaceH4/zephyr-7b-beta, the template TinyLlama/TinyLlama-1.1B-Chat-v1.0 ships: the same Rust test
            file (real newlines, as the JSON has them).
   SMOLLM2  HuggingFaceTB/SmolLM2-Instruct: a Python test of a chat-template renderer (etalii_dllm) that quotes it.
-Not added: SmolLM3 (llama.cpp's copy is Unsloth's edit, not the Hub's), Qwen2.5-Coder (the same text as QWEN25).
+Not added: SmolLM3 (llama.cpp's copy is Unsloth's edit, not the Hub's), Qwen2.5-Coder (not fetched).
 Backslash-n inside a Jinja string literal is Jinja's escape, as in the JSON files; GEMMA2 and PHI35 hold real
 newlines there, as llama.cpp's copies do (the same rendering).
 """

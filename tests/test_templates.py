@@ -280,6 +280,54 @@ def test_qwen3_reasoning_of_the_last_turn_is_trained(shared, tokenizers):
         assert trained_runs(tok, ids, mask) == [want], ex.where
 
 
+@pytest.mark.parametrize("name", ["deepseek_r1_qwen", "qwq"])
+def test_reasoning_written_into_answers_trains_as_the_template_renders_it(shared, tokenizers, name):
+    """Reasoning in the answers' content ("<think>...</think>", as R1 distillation data has it): DeepSeek-R1-Distill's
+    template drops it from every turn, the last too, and trains the text after </think> ("\n\n" and the answer)
+    with its end-of-turn, counted reasoning_not_rendered (it went uncounted); QwQ's drops it from the earlier turns
+    only and trains the last as written, after the "<think>\n" its generation prompt ends in. Each earlier turn is located in the whole conversation, as the template writes it."""
+    tok = tokenizers[name]
+    enc = Encoder(tok, tokenizer_template(tok), max_seq_len=10**6, train_on="assistant", overlong="truncate")
+    examples = [ex for ex in sample(shared) if plain(ex) and sum(m["role"] == "assistant" for m in ex.messages) > 1]
+    assert len(examples) > 5
+    for ex in examples:
+        ex.messages = [{**m, "content": f"<think>\nWhy {k}?\n</think>\n\n{m['content']}"} if m["role"] == "assistant"
+                       else m for k, m in enumerate(ex.messages)]
+    chunk = enc.encode_chunk(examples)
+    assert not chunk.errors and len(chunk.ids) == len(examples)
+    assert chunk.counts["reasoning_not_rendered"] == (len(examples) if name == "deepseek_r1_qwen" else 0)
+    for ex, ids, mask in zip(examples, chunk.ids, chunk.mask):
+        assert ids.tolist() == own_ids(tok, enc, ex), ex.where
+        answers = [m["content"] for m in ex.messages if m["role"] == "assistant"]
+        if name == "deepseek_r1_qwen":
+            want = [a.split("</think>")[-1] + "<｜end▁of▁sentence｜>" for a in answers]
+        else:
+            # the last after "<think>\n", which QwQ's generation prompt writes: the model is prompted with it
+            want = [a.split("</think>")[-1].lstrip("\n") + "<|im_end|>" for a in answers[:-1]] + [
+                answers[-1].removeprefix("<think>\n") + "<|im_end|>"]
+        got = trained_runs(tok, ids, mask)
+        assert [unicodedata.normalize("NFC", r) for r in got] == [unicodedata.normalize("NFC", w) for w in want], \
+            ex.where
+
+
+def test_gemma3_content_parts_train_the_text_as_a_string_does(shared, folders, tokenizers, tmp_path):
+    """OpenAI's content parts ([{"type": "text", "text": ...}]) under Gemma 3's template: read as their text, the
+    documents and masks of the string form."""
+    examples = [ex for ex in sample(shared, system_every=10**6) if plain(ex)][:8]
+    as_parts = tmp_path / "parts.jsonl"
+    as_parts.write_text("".join(json.dumps({"messages": [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                                                         for m in ex.messages]}) + "\n" for ex in examples))
+    write_jsonl(tmp_path / "strings.jsonl", examples)
+    (parts, _, summary), (strings, _, _) = (build_data(config(tmp_path, folders["gemma3"], tmp_path / f))
+                                            for f in ("parts.jsonl", "strings.jsonl"))
+    assert summary.dropped == {} and len(parts) == len(strings) == len(examples)
+    tok = tokenizers["gemma3"]
+    for i, ex in enumerate(examples):
+        assert [a.tolist() for a in parts.doc(i)] == [a.tolist() for a in strings.doc(i)], ex.where
+        assert trained_runs(tok, *parts.doc(i)) == [ANSWERS["gemma3"](m["content"]) for m in ex.messages
+                                                    if m["role"] == "assistant"], ex.where
+
+
 def test_mistral_system_prompt_is_left_out_as_its_template_does_and_said(shared, folders, tokenizers, tmp_path):
     """Mistral v0.3 writes the system message only into a last user turn (when prompting), so a conversation that
     ends in an answer renders without it, and no answer's prompt is a prefix of the whole: the mask cut at the

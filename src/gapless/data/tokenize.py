@@ -142,6 +142,15 @@ def _reasoning(message: dict) -> str | None:
     return text.strip() if text else None
 
 
+def _inline_reasoning(message: dict) -> str | None:
+    """The reasoning an answer writes before "</think>" in its content (after any "<think>"), stripped; None if
+    none."""
+    content = message.get("content")
+    if not isinstance(content, str) or "</think>" not in content:
+        return None
+    return content.split("</think>")[0].split("<think>")[-1].strip() or None
+
+
 def _arguments_as_text(call):
     """An OpenAI-style tool call with its `arguments` object as JSON text (the form OpenAI writes); any other call
     as it is."""
@@ -291,7 +300,9 @@ class Encoder:
                           for m in messages)
         # the last reasoning given: a template that renders any writes that one (Qwen3 leaves out the reasoning of
         # the turns before the last user turn, by design); Llama 3's and Mistral's write none
-        reasoning = [r for m in messages if m["role"] == "assistant" for r in [_reasoning(m)] if r]
+        # (or written into the answer, "<think>...</think>": DeepSeek-R1's templates drop it from every turn)
+        reasoning = [r for m in messages if m["role"] == "assistant" for r in [_reasoning(m) or _inline_reasoning(m)]
+                     if r]
         if reasoning and reasoning[-1] not in full:
             counts["reasoning_not_rendered"] += 1
         if self.train_on == "all":
