@@ -143,6 +143,12 @@ def test_ranks_equal_one_process(runs, strategy, world):
     assert all(0 <= r["rank_imbalance"] < 1 and r["rank_real_tokens_min"] > 0 for r in step_records)
     assert all(r["collective_wait_s_max"] >= 0 and r["rank_compute_s_max"] >= r["rank_compute_s_min"]
                for r in step_records)
+    # the run's totals: every rank's real tokens, the one process's (the same global batches), which the console's
+    # throughput line prints; the record's own real_tokens is rank 0's share
+    final = records[-1]
+    assert final["global_real_tokens"] == single.real_tokens == sum(r["global_real_tokens"] for r in step_records)
+    assert final["real_tokens"] < single.real_tokens
+    assert final["global_tokens_per_s"] == pytest.approx(final["global_real_tokens"] / final["wall_s"])
 
 
 def test_full_fine_tuning_shards_by_default(runs):

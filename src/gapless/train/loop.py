@@ -144,7 +144,10 @@ class RunResult:
     steps: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss of that logged step
     final_dir: Path | None = None
-    real_tokens: int = 0  # of every step this call ran
+    real_tokens: int = 0  # of every step this call ran (under torchrun: this rank's)
+    # under torchrun: every rank's real tokens, summed at each log point (gapless.train.parallel.aggregate); None
+    # in one process
+    global_real_tokens: int | None = None
     wall_s: float = 0.0  # from the start of `train` to its last record (the report's plots in, its page after: ms)
     tokens_per_s: float = 0.0  # real_tokens / wall_s
     # the steady part: the steps after the warm-up step (which compiles), from its end to the end of the loop
@@ -538,6 +541,7 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
     window = ThroughputWindow(run.peak_flops)
     frames_failed_before = frames_not_compiled()
     steps_this_run = 0
+    logged_real = 0  # this rank's real tokens at the last log point (the status line's count under torchrun)
     schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.checkpoint.async_write, run.steps_total)
     if schedule.pending and run.steps_total - step <= 1 + MEASURE_STEPS:
         why = (f"checkpoint.every auto: the run ends at step {run.steps_total}, before the interval is measured (the "
@@ -585,7 +589,9 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
             window.add(real, sum(b.num_target_tokens for b in micro), sum(b.num_slots for b in micro),
                        sum(step_flops(run.model.args, b.doc_lengths, **run.method.flops) for b in micro), warmup)
             result.real_tokens += real
-            run.progress.advance(step, result.real_tokens)  # host ints: the line moves every step, no sync
+            # host ints: the line moves every step, no sync; under torchrun every rank's tokens to the last log point
+            # (exact there) and this rank's since
+            run.progress.advance(step, result.real_tokens + (result.global_real_tokens or 0) - logged_real)
             if warmup:
                 timeline.settle("startup")  # SYNC: once per run; the GPU finishing the warm-up step is startup
                 failed = frames_not_compiled() - frames_failed_before
@@ -631,9 +637,14 @@ def run_loop(run: Run, step: int, result: RunResult, metrics, stop_after: int | 
                                         window.steps, timeline, signalled))
                 if run.parallel.active:
                     stopping = record["ranks_stopping"] > 0
+                    result.global_real_tokens = (result.global_real_tokens or 0) + record["global_real_tokens"]
+                    logged_real = result.real_tokens
+                    run.progress.advance(step, result.global_real_tokens)  # the count, exact at the log point
                 metrics.write(record)
                 result.losses[step] = loss_mean = record["loss"]
-                run.progress.update(step, loss_mean, record["tokens_per_s"], lr, record["mfu"])
+                # the console's tokens/s: every rank's under torchrun (the record's tokens_per_s is rank 0's)
+                run.progress.update(step, loss_mean, record.get("global_tokens_per_s", record["tokens_per_s"]), lr,
+                                    record["mfu"])
                 window_loss.zero_()
                 skipped_tokens.zero_()
                 metrics.write(timeline.record(step))
@@ -757,8 +768,14 @@ def finish(run: Run, step: int, result: RunResult, metrics, stop: StopSignals | 
     result.wall_s, result.seconds = final_record["wall_s"], final_record["seconds"]
     result.tokens_per_s = final_record["tokens_per_s"]
     progress.message(f"time: {format_summary({**final_record['seconds'], 'wall': final_record['wall_s']})}")
-    progress.message(f"throughput: {result.real_tokens:,} real tokens in {final_record['wall_s']:.1f} s = "
-                     f"{result.tokens_per_s:,.0f} real tokens/s over the whole run")
+    wall = final_record["wall_s"]
+    if result.global_real_tokens is None:
+        progress.message(f"throughput: {result.real_tokens:,} real tokens in {wall:.1f} s = "
+                         f"{result.tokens_per_s:,.0f} real tokens/s over the whole run")
+    else:
+        progress.message(f"throughput: {result.global_real_tokens:,} real tokens on {run.parallel.world_size} "
+                         f"processes in {wall:.1f} s = {final_record['global_tokens_per_s']:,.0f} real tokens/s over "
+                         f"the whole run (this rank's {result.real_tokens:,}: {result.tokens_per_s:,.0f}/s)")
     if run.parallel.is_main:
         progress.message(f"report: {write_report(run.run_dir, plots=plots)}")
 
@@ -863,5 +880,10 @@ def environment_record(device: torch.device, step: int) -> dict:
 
 def _run_record(time_record: dict, result: RunResult) -> dict:
     """The final time record plus the run's totals: real tokens over the wall time of the whole call."""
-    return {**time_record, "real_tokens": result.real_tokens,
-            "tokens_per_s": result.real_tokens / max(time_record["wall_s"], 1e-9), "first_step_s": result.first_step_s}
+    wall = max(time_record["wall_s"], 1e-9)
+    record = {**time_record, "real_tokens": result.real_tokens, "tokens_per_s": result.real_tokens / wall,
+              "first_step_s": result.first_step_s}
+    if result.global_real_tokens is not None:  # under torchrun: every rank's, over this rank's wall time
+        record |= {"global_real_tokens": result.global_real_tokens,
+                   "global_tokens_per_s": result.global_real_tokens / wall}
+    return record
