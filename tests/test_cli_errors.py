@@ -186,3 +186,23 @@ def test_python_dash_m_gapless_is_the_command():
     done = subprocess.run([sys.executable, "-m", "gapless", "train", "nope.yaml"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "nope.yaml" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_commands_warning_is_one_line_naming_the_command(base, tmp_path, capsys):
+    """`gapless train --dry-run` reads the data outside the run's progress, which formats its own warnings: a data
+    warning printed as Python's two lines (`.../gapless/meter/memory.py:295: UserWarning: ...` and the source line);
+    it is `gapless train: warning: ...`, once."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    record = {"messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}],
+              "tools": tools}
+    (tmp_path / "d.jsonl").write_text((json.dumps(record) + "\n") * 3)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(base), "device": "cpu"}, "output_dir": str(tmp_path / "r"),
+                                      "data": {"sources": [{"path": str(tmp_path / "d.jsonl")}], "max_seq_len": 64,
+                                               "tokens_per_batch": 128, "cache_dir": str(tmp_path / "cache")}}))
+    with pytest.warns(UserWarning, match="tool definitions that the chat template does not render"):  # recorded too
+        assert main(["train", str(config), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning" in line.lower()]
+    assert lines == [f"gapless train: warning: {tmp_path / 'd.jsonl'}: 3 records have tool definitions that the chat "
+                     "template does not render (it never mentions `tools`); they are left out"], err

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from gapless import __version__
+
+# warnings' own display function when nothing records warnings (pytest.warns, and pytest around every test, replace
+# it with a list's append): _warnings_as_lines forwards to the recorder then
+_STOCK_SHOWWARNMSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -648,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with _warnings_as_lines(args.command):
+            return int(args.func(args) or 0)
     except ValueError as e:  # the user's mistakes: one clear line, no traceback
         if os.environ.get(DEBUG):
             raise
@@ -663,6 +670,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops cleanly on its own)
         print(f"gapless {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str):
+    """A Python warning raised by a command prints as `gapless COMMAND: warning: MESSAGE`, each distinct message once,
+    not as Python's two lines naming gapless's source file (a training run routes its own: Progress.route_warnings)."""
+    seen: set[str] = set()
+    with warnings.catch_warnings():  # the filters stay the caller's: an "error" filter still raises
+        previous = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if str(message) not in seen:
+                seen.add(str(message))
+                print(f"gapless {command}: warning: {message}", file=sys.stderr)
+            if getattr(warnings, "_showwarnmsg_impl", None) is not _STOCK_SHOWWARNMSG:  # being recorded
+                previous(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def entry() -> None:
