@@ -1040,6 +1040,18 @@ def test_llamafactory_chatml_templates_train_their_ids_and_say_the_newline(files
     assert "trains the newline it writes after each <|im_end|>" in said and "one token a turn" in said
 
 
+def test_a_gapless_config_with_a_key_a_peer_shares_is_still_gapless(tmp_path):
+    """`dataset:` for `data:`, or a stray `template:`, in a gapless config are LLaMA-Factory's keys: the file was
+    converted as LLaMA-Factory's (model_name_or_path missing, data/dataset_info.json not found) instead of naming the
+    mistyped key."""
+    for raw in ({"model": {"path": "m"}, "dataset": {"sources": [{"path": "x.jsonl"}]}},
+                {"model": {"path": "m"}, "data": {"sources": [{"path": "x.jsonl"}]}, "template": "llama3"}):
+        assert detect(raw) == "gapless"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": {"path": "m"}, "dataset": {"sources": []}}))
+    with pytest.raises(ValueError, match="dataset: unknown key; did you mean 'data'"):
+        load_any(tmp_path / "c.yaml")
+
+
 def test_llamafactory_detection_is_not_trls(files, lf_dir):
     trl = yaml.safe_load(TRL.format(**files, out="x"))
     assert detect(trl) == "trl"

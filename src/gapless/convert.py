@@ -39,11 +39,14 @@ LLAMAFACTORY_MARKERS = ("stage", "finetuning_type", "dataset", "template", "cuto
 
 
 def detect(raw: dict) -> str:
-    """'gapless', 'axolotl', 'trl' or 'llamafactory': gapless when every top-level key is a RunConfig field."""
+    """'gapless', 'axolotl', 'trl' or 'llamafactory': gapless when every top-level key is a RunConfig field, or one
+    of them is a RunConfig section."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    if set(raw) <= fields:
+    # every key gapless's, or a section of gapless's (model: {path: ...}; no peer has such a mapping): a gapless
+    # config, whose mistyped key (dataset:, template:) from_dict names, not a peer's that happens to share it
+    if set(raw) <= fields or any(isinstance(raw.get(name), dict) for name in fields):
         return "gapless"
     axolotl = sum(k in raw for k in AXOLOTL_MARKERS)
     trl = sum(k in raw for k in TRL_MARKERS)
