@@ -702,6 +702,74 @@ def test_axolotl_dataset_folder_of_splits_reads_its_split(files, tmp_path):
         convert({**raw, "datasets": [{"path": str(folder), "type": "alpaca", "split": "validation"}]})
 
 
+def _ax_chat(files, **keys) -> dict:
+    """AXOLOTL with its chat_template dataset alone, `keys` added to that dataset."""
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    raw["datasets"] = [{**raw["datasets"][2], **keys}]
+    return raw
+
+
+@pytest.mark.parametrize("keys, said", [
+    # Axolotl drops a key set to null before reading it (utils/config validate_config: model_dump(exclude_none=True)),
+    # so null is the default: roles_to_train [assistant], train_on_eos turn (prompt_strategies/chat_template.py)
+    ({"roles_to_train": None, "train_on_eos": None}, None),
+    ({"roles_to_train": ["gpt"]}, None),  # read through the default role names: gpt is assistant
+    ({"roles_to_train": ["assistant", "gpt"], "train_on_eos": "turn", "train_on_eot": "turn"}, None),
+    ({"field_thinking": "thinking", "template_thinking_key": "thinking"}, None),
+    ({"preprocess_shards": 4}, "preprocess_shards 4: Axolotl tokenizes the dataset in that many sequential pieces"),
+    ({"trust_remote_code": True}, "trust_remote_code true: gapless reads data files and runs no dataset loading"),
+    ({"revision": "abc123", "name": "default"}, "revision abc123: a Hub dataset's commit, tag or branch; a local "
+                                                "path is read as it is"),
+    ({"field": "conversation"}, "field conversation: unused (Axolotl reads it for completion datasets only)"),
+    ({"field_thinking": "thinking"}, "unused beside message_property_mappings"),
+])
+def test_axolotl_chat_template_keys_that_train_the_same(files, keys, said):
+    conv = convert(_ax_chat(files, **keys))
+    source = from_dict(RunConfig, conv.config).data.sources[0]
+    assert source.format == "messages" and conv.config["data"]["train_on"] == "assistant"
+    if said:
+        assert said in conv.format()
+
+
+@pytest.mark.parametrize("keys, refused", [
+    ({"roles_to_train": ["assistant", "user"]}, r"roles_to_train: \['assistant', 'user'\]: trains user turns too; "
+                                                r"gapless trains assistant turns only"),
+    ({"roles_to_train": []}, r"roles_to_train: \[\]: trains no assistant turn"),
+    ({"roles": {"assistant": ["bot"]}, "roles_to_train": ["gpt"]}, r"roles_to_train: .*trains gpt turns too|"
+                                                                    r"roles_to_train: .*trains no assistant turn"),
+    ({"train_on_eos": "all"}, r"train_on_eos: all: Axolotl trains the end-of-turn token after every turn, user turns"),
+    ({"train_on_eos": "last"}, r"train_on_eos: last: .*of the conversation's last turn only"),
+    ({"message_field_training": "train"}, r"message_field_training: train: a turn's own train flag"),
+    ({"message_field_training_detail": "train_detail"}, r"message_field_training_detail: train_detail: character"),
+    ({"message_property_mappings": None, "field_thinking": "thinking"}, r"field_thinking: thinking: Axolotl renders a turn's thinking as "
+                                     r"reasoning_content"),
+    ({"split_thinking": True}, r"split_thinking: true: gapless does not move <think>"),
+    ({"shards": 4, "shards_idx": 1}, r"shards: 4: Axolotl trains one contiguous piece of the records"),
+    ({"path": "org/some-dataset", "revision": "v2"}, r"revision: v2: picks the Hub dataset's commit, tag or branch: "
+                                                     r"download that one \(hf download org/some-dataset --repo-type "
+                                                     r"dataset --revision v2\)"),
+    ({"field_system": "sys"}, r"field_system: sys: gapless reads a conversation's system turn from its messages"),
+    ({"chat_template_jinja": "{{ messages }}"}, r"chat_template_jinja: .*a dataset's own Jinja template"),
+    ({"input_transform": "x"}, r"input_transform: x: no gapless equivalent for this key of a chat_template dataset"),
+])
+def test_axolotl_chat_template_keys_that_train_otherwise_are_refused(files, keys, refused):
+    """prompt_strategies/chat_template.py (ChatTemplateStrategy): these train other tokens than gapless's assistant
+    turns through their end-of-turn token; they were passed as harmless ('known') or read silently."""
+    with pytest.raises(ValueError, match=rf"datasets\[0\]\.{refused}"):
+        convert(_ax_chat(files, **keys))
+
+
+def test_axolotl_train_on_inputs_with_chat_template_is_refused(files):
+    """With train_on_inputs Axolotl's chat_template trains each turn's text and end-of-turn token, never the template's
+    headers (find_turn); data.train_on: all trains every token. Other types train every token: all."""
+    with pytest.raises(ValueError, match=r"train_on_inputs: true: with chat_template datasets Axolotl trains every "
+                                         r"turn's text"):
+        convert({**_ax_chat(files), "train_on_inputs": True})
+    raw = yaml.safe_load(AXOLOTL.format(**files, out="x"))
+    conv = convert({**raw, "datasets": raw["datasets"][:1], "train_on_inputs": True})
+    assert conv.config["data"]["train_on"] == "all"
+
+
 # axolotl-ai-cloud/axolotl examples/llama-3/lora-1b-kernels.yml, trimmed: Axolotl's Triton LoRA kernels (and
 # examples/qwen3/8b-lora-fused-attn.yaml's fused q/k norm + RoPE kernel)
 AXOLOTL_LORA_KERNELS = """

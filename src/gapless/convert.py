@@ -664,7 +664,15 @@ def convert_axolotl(raw: dict) -> Conversion:
                                      "not a count")
     elif "val_set_size" in raw:
         c.note("val_set_size", "0: no held-out split")
-    if "train_on_inputs" in raw:
+    chats = [d.get("type") for key in ("datasets", "test_datasets") for d in raw.get(key) or []
+             if isinstance(d, dict) and d.get("type") in ("chat_template", "sharegpt")]
+    if c.get("train_on_inputs") and chats:
+        # prompt_strategies/chat_template.py: train_on_inputs trains each turn's content and end-of-turn token
+        # (find_turn), never the template's text between them (headers, role names); data.train_on all trains those
+        c.refuse("train_on_inputs", "with chat_template datasets Axolotl trains every turn's text and end-of-turn "
+                                    "token but not the template's headers between them, which gapless's "
+                                    "data.train_on: all trains; remove it to train the assistant turns")
+    elif "train_on_inputs" in raw:
         c.put("train_on_inputs", "data.train_on", "all" if c.get("train_on_inputs") else "assistant")
     if c.get("group_by_length"):
         c.put("group_by_length", "data.batching", "length_grouped")
@@ -852,7 +860,7 @@ def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
         if not isinstance(d, dict) or "path" not in d:
             c.refused.append(f"{where}: expected a mapping with path and type")
             continue
-        src, notes, bad = _axolotl_dataset(d, c.raw.get("chat_template"))
+        src, notes, bad = _axolotl_dataset(d, c.raw.get("chat_template"), bool(c.raw.get("train_on_inputs")))
         for k, why in bad:
             c.refused.append(f"{where}.{k}: {_show(d.get(k))}: {why}")
         sources.append(src)
@@ -861,19 +869,42 @@ def _axolotl_datasets(c: _Converter, key: str, dotted: str) -> None:
     _set(c.out, dotted, sources)
 
 
-def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str], list[tuple[str, str]]]:
+# Axolotl's default role names (src/axolotl/prompt_strategies/chat_template.py, ChatTemplatePrompter): a dataset's
+# `roles` replaces them; roles_to_train's names are read through them
+AXOLOTL_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
+                 "tool": "tool"}
+# keys of a dataset entry that change nothing gapless reads from a local file, with why (utils/schemas/datasets.py)
+AXOLOTL_DATASET_HARMLESS = {
+    "preprocess_shards": "Axolotl tokenizes the dataset in that many sequential pieces to bound memory: the same "
+                         "records",
+    "trust_remote_code": "gapless reads data files and runs no dataset loading script",
+    "ds_type": None, "split": None, "name": None, "revision": None,  # handled
+}
+
+
+def _axolotl_dataset(d: dict, top_template: Any = None,
+                     train_on_inputs: bool = False) -> tuple[dict, list[str], list[tuple[str, str]]]:
     """One entry of Axolotl's `datasets:` as a gapless source: (source, notes, refused (key, why)); `top_template`
-    is the top-level chat_template, which a dataset's own may repeat (Axolotl's instruct and Gemma examples do)."""
+    is the top-level chat_template, which a dataset's own may repeat (Axolotl's instruct and Gemma examples do);
+    `train_on_inputs` the top-level key. Axolotl drops a key set to null before reading it (utils/config
+    validate_config: model_dump(exclude_none=True)), so null is the default here too."""
+    d = {k: v for k, v in d.items() if v is not None}
     src: dict = {"path": str(d["path"])}
     notes, bad = [], []
     kind = d.get("type")
-    known = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
-             "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
-             "conversation", "field_human", "field_model", "field_system", "chat_template", "name",
-             "data_files", "train_on_split", "shards", "field", "drop_system_message"}
+    chat = kind in ("sharegpt", "chat_template")
+    known = {"path", "type", "ds_type", "split", "name", "revision", "data_files", "shards", "shards_idx",
+             "preprocess_shards", "trust_remote_code", "drop_system_message", "field"}
+    if chat:
+        known |= {"field_messages", "message_property_mappings", "message_field_role", "message_field_content",
+                  "roles", "roles_to_train", "train_on_eos", "train_on_eot", "conversation", "field_human",
+                  "field_model", "field_system", "field_tools", "field_thinking", "template_thinking_key",
+                  "split_thinking", "chat_template", "chat_template_jinja", "message_field_training",
+                  "message_field_training_detail"}
     for k in d:
         if k not in known:
-            bad.append((k, "no gapless equivalent for this dataset key"))
+            bad.append((k, f"no gapless equivalent for this key of a {_show(kind)} dataset"))
+    local = Path(src["path"]).expanduser().exists()
     splits, split = _dataset_splits(src["path"]), d.get("split") or "train"
     if split in splits:  # a folder of a dataset's splits (train.jsonl beside test.jsonl): that split's files
         src["path"] = _split_path(splits[split])
@@ -886,8 +917,27 @@ def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str]
         bad.append(("data_files", "give the file itself as path"))
     if d.get("ds_type") not in (None, "json", "jsonl", "parquet", "csv", "arrow"):
         bad.append(("ds_type", "gapless reads .jsonl/.json/.parquet/.csv/.arrow files"))
-    if d.get("name"):
-        src["name"] = str(d["name"])
+    # name and revision pick a Hub dataset's configuration and commit (datasets.load_dataset(path, name, revision));
+    # Axolotl ignores them for a local file (utils/schemas/datasets.py: revision "is ignored for local datasets")
+    for key, what in (("name", "configuration (subset)"), ("revision", "commit, tag or branch")):
+        if d.get(key) and local:
+            notes.append(f"{key} {d[key]}: a Hub dataset's {what}; a local path is read as it is")
+        elif d.get(key):
+            bad.append((key, f"picks the Hub dataset's {what}: download that one (hf download "
+                             f"{d['path']} --repo-type dataset{' --revision ' + str(d[key]) if key == 'revision' else ''}"
+                             f") and give the files as path"))
+    # Axolotl keeps the shards_idx-th of `shards` contiguous pieces (datasets' Dataset.shard): a part of the records
+    if d.get("shards"):
+        bad.append(("shards", "Axolotl trains one contiguous piece of the records (shard shards_idx of shards); "
+                              "gapless reads whole files: write that piece to its own file"))
+    elif "shards_idx" in d:
+        notes.append("shards_idx: unused without shards")
+    for key, why in AXOLOTL_DATASET_HARMLESS.items():
+        if why and d.get(key) not in (None, False):
+            notes.append(f"{key} {_show(d[key])}: {why}")
+    if d.get("field") and kind not in ("completion", "pretrain"):
+        # utils/schemas/datasets.py: "For `completion` datasets only"; chat_template reads field_messages
+        notes.append(f"field {d['field']}: unused (Axolotl reads it for completion datasets only)")
     if isinstance(kind, dict):  # a custom alpaca-style mapping: {field_instruction, field_input, field_output, ...}
         src["format"] = "alpaca"
         columns = {}
@@ -905,59 +955,8 @@ def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str]
         src["format"] = "alpaca"
         notes.append("the user turn is instruction (+ input), through the chat template rather than "
                      "Alpaca's 'Below is an instruction' prompt")
-    elif kind in ("sharegpt", "chat_template"):
-        src["format"] = "messages" if kind == "chat_template" else "sharegpt"
-        field_messages = d.get("field_messages") or d.get("field")
-        role, content = None, None
-        mappings = d.get("message_property_mappings") or {}
-        role = mappings.get("role") or d.get("message_field_role")
-        content = mappings.get("content") or d.get("message_field_content")
-        columns = {}
-        if kind == "sharegpt":
-            if field_messages and field_messages != "conversations":
-                columns["conversations"] = field_messages
-            if role and role != "from":
-                columns["from"] = role
-            if content and content != "value":
-                columns["value"] = content
-            if d.get("field_system"):
-                columns["system"] = d["field_system"]
-        else:
-            if field_messages and field_messages != "messages":
-                columns["messages"] = field_messages
-            if role and role != "role":
-                columns["role"] = role
-            if content and content != "content":
-                columns["content"] = content
-        if columns:
-            src["columns"] = columns
-        roles = {}
-        for ours, theirs in (d.get("roles") or {}).items():
-            for name in ([theirs] if isinstance(theirs, str) else theirs):
-                roles[name] = ours
-        for k, ours in (("field_human", "user"), ("field_model", "assistant")):
-            if d.get(k):
-                roles[d[k]] = ours
-        if roles:
-            src["roles"] = roles
-        if d.get("roles_to_train") not in (None, ["assistant"], ["gpt"], ["assistant", "gpt"]):
-            bad.append(("roles_to_train", "gapless trains assistant turns (data.train_on: assistant | "
-                                          "last_assistant | all)"))
-        if d.get("train_on_eos") not in (None, "turn"):
-            bad.append(("train_on_eos", "gapless trains each assistant turn's end token (Axolotl's 'turn')"))
-        conversation = d.get("conversation")
-        if conversation not in (None, "chatml"):
-            bad.append(("conversation", f"{conversation!r}: gapless ships chatml; for others set "
-                                        "data.chat_template to the Jinja"))
-        elif conversation == "chatml":
-            notes.append("conversation chatml: set top-level chat_template: chatml to render it as ChatML")
-        # gapless renders every source with data.chat_template: a dataset's own template must be that one
-        own, top = d.get("chat_template"), top_template or "tokenizer_default"
-        if own is not None and own == top:
-            notes.append(f"chat_template {own}: the top-level one")
-        elif own is not None:
-            bad.append(("chat_template", f"differs from the top-level chat_template ({top}); gapless renders "
-                                         "every dataset with one template: set it at the top level"))
+    elif chat:
+        _axolotl_chat(d, kind, src, notes, bad, top_template, train_on_inputs)
     elif kind in ("completion", "pretrain"):
         src["format"] = "text"
         if d.get("field"):
@@ -971,6 +970,100 @@ def _axolotl_dataset(d: dict, top_template: Any = None) -> tuple[dict, list[str]
         bad.append(("drop_system_message", "Axolotl drops the system turn for type: chat_template only; use "
                                            "that type, or remove the key"))
     return src, notes, bad
+
+
+def _axolotl_chat(d: dict, kind: str, src: dict, notes: list[str], bad: list[tuple[str, str]], top_template: Any,
+                  train_on_inputs: bool) -> None:
+    """A chat_template (or sharegpt) dataset, as Axolotl's prompt_strategies/chat_template.py trains it: each turn
+    whose role is in roles_to_train (default [assistant]) trains its content and the end-of-turn token after it
+    (train_on_eos default turn), the template's text between turns never; with train_on_inputs every turn's."""
+    src["format"] = "messages" if kind == "chat_template" else "sharegpt"
+    if kind == "sharegpt":
+        notes.append("Axolotl 0.5+ refuses type sharegpt (deprecated for chat_template); read as its migration guide "
+                     "maps it: chat_template with field_messages conversations, role from, content value")
+    mappings = dict(d.get("message_property_mappings") or {})
+    role = mappings.pop("role", None) or d.get("message_field_role")
+    content = mappings.pop("content", None) or d.get("message_field_content")
+    columns = {}
+    if kind == "sharegpt":
+        for ours, value in (("conversations", d.get("field_messages")), ("from", role), ("value", content)):
+            if value and value != ours:
+                columns[ours] = value
+        if d.get("field_system"):
+            columns["system"] = d["field_system"]
+    else:
+        for ours, value in (("messages", d.get("field_messages")), ("role", role), ("content", content)):
+            if value and value != ours:
+                columns[ours] = value
+        if d.get("field_system") not in (None, "system"):
+            bad.append(("field_system", "gapless reads a conversation's system turn from its messages, not from "
+                                        "another column"))
+    if d.get("field_tools") not in (None, "tools"):
+        columns["tools"] = d["field_tools"]
+    if columns:
+        src["columns"] = columns
+    for k, v in mappings.items():  # other properties: a turn's key renamed for the template (tool_calls: calls)
+        if k != v:
+            bad.append(("message_property_mappings", f"{k}: {v}: gapless passes a turn's keys to the template "
+                                                     "under their own names (it maps role and content only)"))
+    # the reasoning: Axolotl renames a turn's field_thinking to template_thinking_key (where the mappings are
+    # Axolotl's default); gapless passes the turn's keys as they are
+    thinking, key = d.get("field_thinking", "reasoning_content"), d.get("template_thinking_key", "reasoning_content")
+    if thinking != key and d.get("message_property_mappings"):
+        notes.append("field_thinking/template_thinking_key: unused beside message_property_mappings (Axolotl then "
+                     "passes a turn's keys as they are, as gapless does)")
+    elif thinking != key:
+        bad.append(("field_thinking", f"Axolotl renders a turn's {thinking} as {key}; gapless passes a turn's keys "
+                                      f"to the template under their own names: rename {thinking} to {key} in the "
+                                      "data"))
+    if d.get("split_thinking"):
+        bad.append(("split_thinking", "gapless does not move <think>...</think> out of an answer's text into its "
+                                      "reasoning field"))
+    given = {}
+    for ours, theirs in (d.get("roles") or {}).items():
+        for name in ([theirs] if isinstance(theirs, str) else theirs):
+            given[name] = ours
+    for k, ours in (("field_human", "user"), ("field_model", "assistant")):
+        if d.get(k):
+            given[d[k]] = ours
+    if given:
+        src["roles"] = given
+    roles = {**({} if d.get("roles") else AXOLOTL_ROLES), **given}  # a dataset's roles replace Axolotl's defaults
+    # which turns train: roles_to_train read through the role names; training flags per message override it
+    trained = {roles.get(r, r) for r in d.get("roles_to_train", ["assistant"])}
+    for key, why in (("message_field_training", "a turn's own train flag (any role) decides whether it trains"),
+                     ("message_field_training_detail", "character ranges of a turn train or not")):
+        if d.get(key):
+            bad.append((key, f"{why}; gapless trains whole assistant turns (OpenAI's weight: 0 on an assistant "
+                             "turn leaves it out)"))
+    if not train_on_inputs and trained != {"assistant"}:  # train_on_inputs: refused by convert_axolotl
+        other = sorted(trained - {"assistant"})
+        bad.append(("roles_to_train", f"trains {', '.join(other)} turns too; gapless trains assistant turns only"
+                    if other and "assistant" in trained else
+                    "trains no assistant turn; gapless trains assistant turns (data.train_on: assistant, "
+                    "last_assistant or all)"))
+    for key in ("train_on_eos", "train_on_eot"):
+        if d.get(key, "turn") != "turn":
+            bad.append((key, "Axolotl trains the end-of-turn token "
+                             + ("after every turn, user turns too" if d[key] == "all" else
+                                "of the conversation's last turn only" if d[key] == "last" else "as it says")
+                             + "; gapless trains each trained turn's own (Axolotl's turn)"))
+    conversation = d.get("conversation")
+    if conversation not in (None, "chatml"):
+        bad.append(("conversation", f"{conversation!r}: gapless ships chatml; for others set "
+                                    "data.chat_template to the Jinja"))
+    elif conversation == "chatml":
+        notes.append("conversation chatml: set top-level chat_template: chatml to render it as ChatML")
+    # gapless renders every source with data.chat_template: a dataset's own template must be that one
+    own, top = d.get("chat_template"), top_template or "tokenizer_default"
+    if own == "jinja" or (own is None and d.get("chat_template_jinja")):
+        bad.append(("chat_template_jinja", "a dataset's own Jinja template; gapless renders every dataset with "
+                                           "one template: set chat_template_jinja at the top level"))
+    elif own is not None and own == top:
+        notes.append(f"chat_template {own}: the top-level one")
+    elif own is not None:
+        bad.append(("chat_template", f"differs from the top-level chat_template ({top}); gapless renders "
+                                     "every dataset with one template: set it at the top level"))
 
 
 # ---------------------------------------------------------------------------------------------
