@@ -770,6 +770,24 @@ def test_axolotl_train_on_inputs_with_chat_template_is_refused(files):
     assert conv.config["data"]["train_on"] == "all"
 
 
+@pytest.mark.parametrize("train_on_inputs, train_on", [(False, "assistant"), (True, "all")])
+def test_axolotl_input_output_is_format_segments(files, tmp_path, train_on_inputs, train_on):
+    """Axolotl's template-free input_output type (docs/dataset-formats/template_free.qmd) trains the segments of label
+    true, every segment with train_on_inputs; it was refused."""
+    data = tmp_path / "io.jsonl"
+    rows = [json.loads(line) for line in Path(files["alpaca"]).read_text().splitlines()]  # the demo vocabulary's
+    data.write_text("".join(json.dumps({"segments": [{"label": False, "text": r["instruction"]},
+                                                     {"label": True, "text": r["output"]}]}) + "\n" for r in rows))
+    raw = yaml.safe_load(AXOLOTL.format(**files, out=tmp_path / "run"))
+    raw.update(datasets=[{"path": str(data), "type": "input_output"}], train_on_inputs=train_on_inputs, max_steps=2,
+               warmup_steps=0, val_set_size=0)
+    conv = convert(raw)
+    cfg = from_dict(RunConfig, conv.config)
+    assert (cfg.data.sources[0].format, cfg.data.train_on) == ("segments", train_on)
+    (tmp_path / "io.yaml").write_text(yaml.safe_dump(raw))
+    assert train(load_any(tmp_path / "io.yaml", cpu(files))).steps == 2
+
+
 # axolotl-ai-cloud/axolotl examples/llama-3/lora-1b-kernels.yml, trimmed: Axolotl's Triton LoRA kernels (and
 # examples/qwen3/8b-lora-fused-attn.yaml's fused q/k norm + RoPE kernel)
 AXOLOTL_LORA_KERNELS = """

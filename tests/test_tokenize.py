@@ -549,3 +549,35 @@ def test_glaive_rows_render_as_tool_calls_and_results_under_a_tool_template(shar
     ids, mask = mix.doc(1)
     assert trained_runs(tok, ids, mask) == ["Hello! How can I help?<|im_end|>"]
     assert "with no access to external functions.<|im_end|>" in tok.decode(np.asarray(ids).tolist())
+
+
+# Axolotl's docs/dataset-formats/template_free.qmd example, with Llama 3's bos and eos written in the text
+SEGMENTS = {"segments": [{"label": True, "text": "<|begin_of_text|>Hello\n"}, {"label": True, "text": "hi there!. "},
+                         {"label": False, "text": "goodbye "}, {"label": True, "text": "farewell<|end_of_text|>"}]}
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_segments_train_what_axolotls_input_output_trains(shared, tmp_path, train_on):
+    """Format segments (Axolotl's input_output, prompt_strategies/input_output.py): each piece tokenized on its own
+    without special tokens added, the ids concatenated, a piece of label false untrained (train_on_inputs: all)."""
+    tok = load_tokenizer(shared / "tokenizers/llama3")
+    path = write_jsonl(tmp_path / "io.jsonl", [SEGMENTS])
+    mix, _, s = build_data(config(tmp_path, shared / "tokenizers/llama3", [{"path": str(path)}], train_on=train_on))
+    assert s.sources[0].kept == 1
+    ids, mask = mix.doc(0)
+    pieces = [tok(p["text"], add_special_tokens=False)["input_ids"] for p in SEGMENTS["segments"]]
+    assert np.asarray(ids).tolist() == [i for p in pieces for i in p]
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.convert_tokens_to_ids("<|end_of_text|>")  # nothing added
+    if train_on == "all":
+        assert mask.all()
+    else:
+        assert trained_runs(tok, ids, mask) == ["<|begin_of_text|>Hello\nhi there!. ", "farewell<|end_of_text|>"]
+
+
+def test_segments_bad_pieces_are_located(demo_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "io.jsonl", [SEGMENTS, {"segments": [{"label": "yes", "text": "a"}]},
+                                               {"segments": [{"label": False, "text": "only input"}]}])
+    with pytest.raises(ValueError, match=r"io.jsonl:2: segments\[0\]: expected \{\"label\": true\|false"):
+        build_data(config(tmp_path, demo_tokenizer, [{"path": str(path), "format": "segments"}]))
+    _, _, s = build_data(config(tmp_path, demo_tokenizer, [{"path": str(path)}], on_error="skip"))
+    assert s.sources[0].kept == 1 and s.sources[0].dropped == {"bad_value": 1, "nothing_to_train": 1}

@@ -42,7 +42,7 @@ def register_data(sub) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer or model folder (overrides data.tokenizer)")
     p.add_argument("--format", default="auto",
                    choices=["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
-                            "oasst_top1", "capybara", "glaive"],
+                            "oasst_top1", "capybara", "glaive", "segments"],
                    help="format of the data files given on the command line")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a data setting, e.g. --set max_seq_len=2048 --set on_error=skip")

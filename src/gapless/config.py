@@ -463,6 +463,7 @@ DATA_FORMAT_FIELDS = {
     "oasst_top1": ("prompt",),
     "capybara": ("conversation", "input", "output"),
     "glaive": ("system", "chat"),
+    "segments": ("segments",),
 }
 # What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
 # (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
@@ -479,9 +480,11 @@ class SourceConfig:
     # message trees: oasst = every root-to-leaf thread (what auto detects), oasst_top1 = one thread per tree, the
     # reply of lowest rank at each step (gapless.data.formats says more). capybara: LDJnr/Capybara's
     # conversation of {input, output} pairs, each a user turn and its answer. glaive: glaive-function-calling-v2's
-    # system text and chat string, read into tools, tool calls and their results
+    # system text and chat string, read into tools, tool calls and their results. segments: template-free text,
+    # {"segments": [{"label": bool, "text": str}, ...]} (Axolotl's input_output): the texts tokenized one by one
+    # and concatenated, nothing added (no bos, eos nor template), the tokens of label true trained
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
-                    "oasst_top1", "capybara", "glaive"] = "auto"
+                    "oasst_top1", "capybara", "glaive", "segments"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
     # drop each conversation's leading system turn (its first turn when that is a system one, the format's system
@@ -500,8 +503,9 @@ class SourceConfig:
             raise ValueError(f"{where}.path: empty; give a file, a glob or a folder")
         if self.weight is not None and self.epochs is not None:
             raise ValueError(f"{where}: set weight or epochs, not both")
-        if self.drop_system_message and self.format == "text":
-            raise ValueError(f"{where}.drop_system_message: format text has no system turn to drop; unset it")
+        if self.drop_system_message and self.format in ("text", "segments"):
+            raise ValueError(f"{where}.drop_system_message: format {self.format} has no system turn to drop; "
+                             "unset it")
         for key in ("weight", "epochs"):
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -923,9 +923,9 @@ def _axolotl_dataset(d: dict, top_template: Any = None,
         if d.get(key) and local:
             notes.append(f"{key} {d[key]}: a Hub dataset's {what}; a local path is read as it is")
         elif d.get(key):
-            bad.append((key, f"picks the Hub dataset's {what}: download that one (hf download "
-                             f"{d['path']} --repo-type dataset{' --revision ' + str(d[key]) if key == 'revision' else ''}"
-                             f") and give the files as path"))
+            flag = f" --revision {d[key]}" if key == "revision" else ""
+            bad.append((key, f"picks the Hub dataset's {what}: download that one (hf download {d['path']} "
+                             f"--repo-type dataset{flag}) and give the files as path"))
     # Axolotl keeps the shards_idx-th of `shards` contiguous pieces (datasets' Dataset.shard): a part of the records
     if d.get("shards"):
         bad.append(("shards", "Axolotl trains one contiguous piece of the records (shard shards_idx of shards); "
@@ -961,8 +961,10 @@ def _axolotl_dataset(d: dict, top_template: Any = None,
         src["format"] = "text"
         if d.get("field"):
             src["columns"] = {"text": d["field"]}
+    elif kind == "input_output":  # prompt_strategies/input_output.py: the same pieces, tokens and labels
+        src["format"] = "segments"
     else:
-        bad.append(("type", "gapless reads alpaca, sharegpt, chat_template and completion datasets"))
+        bad.append(("type", "gapless reads alpaca, sharegpt, chat_template, completion and input_output datasets"))
     if d.get("drop_system_message") and kind == "chat_template":
         src["drop_system_message"] = True
         notes.append("drop_system_message: each conversation's leading system turn is dropped")

@@ -22,6 +22,10 @@ Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, ren
                      to no call, arguments that are not a JSON object, a call to an undefined function, a turn
                      marker lost inside another turn) is a bad record naming the turn
   text               {"text"} for continued pre-training
+  segments           template-free text in pieces, {"segments": [{"label": bool, "text": str}, ...]} (Axolotl's
+                     input_output type): each piece's text tokenized on its own (special tokens written in it read
+                     as such) and the pieces' tokens concatenated, nothing added (no bos, eos nor chat template);
+                     the tokens of a piece of label true are trained (all of them under data.train_on: all)
   oasst              OpenAssistant's message trees, {"message_tree_id", "prompt": {"role", "text", "replies": [...]}}:
                      every root-to-leaf thread is an example (where: `file:N thread K`; threads of one tree share
                      their prefixes, so data.eval_fraction holds a tree's threads out together, Example.group),
@@ -115,6 +119,7 @@ class Example:
     messages: list[dict] | None = None  # [{"role", "content", ...}], roles in user/assistant/system/tool
     tools: list | None = None  # tool definitions (JSON schema dicts) for the chat template
     text: str | None = None  # plain text (format text)
+    segments: list[tuple[str, bool]] | None = None  # (text, trained) pieces, concatenated (format segments)
     # records of one group are held out together by data.eval_fraction (pipeline.split_eval): the threads of an
     # OpenAssistant tree, which share its prompt and earlier turns, and the instances of a Self-Instruct row, which
     # share its instruction. None: a record of its own. Unique within a source
@@ -407,8 +412,9 @@ def read_source(src: SourceConfig, files: list[Path] | None = None) -> Iterator[
                 continue
             if fmt == "auto":
                 fmt = detect_format(row, src.columns, where)
-                if fmt == "text" and src.drop_system_message:
-                    raise ValueError(f"{where}: plain text (format text), which has no system turn, but the source "
+                if fmt in ("text", "segments") and src.drop_system_message:
+                    what = "plain text" if fmt == "text" else "template-free segments"
+                    raise ValueError(f"{where}: {what} (format {fmt}), which has no system turn, but the source "
                                      f"{src.path} sets drop_system_message; unset it or give this file its own source")
             try:
                 examples = to_examples(row, fmt, src.columns, roles, where)
@@ -432,10 +438,19 @@ def without_leading_system(ex: Example) -> Example:
     return ex
 
 
+def text_of(ex: Example) -> str:
+    """An example's text, every turn's or piece's concatenated: for sizes and messages."""
+    if ex.text is not None:
+        return ex.text
+    if ex.segments is not None:
+        return "".join(text for text, _ in ex.segments)
+    return "".join(m.get("content") or "" for m in ex.messages)
+
+
 def _bounded(ex: Example) -> Example:
     """The example, unless its text is over MAX_RECORD_BYTES characters (any format; JSON lines are bounded
     when read)."""
-    size = len(ex.text) if ex.text is not None else sum(len(m.get("content") or "") for m in ex.messages)
+    size = len(text_of(ex))
     if size > MAX_RECORD_BYTES:
         raise RecordError(ex.where, None, TOO_LARGE, f"{size:,} characters of text, over the limit of "
                           f"{MAX_RECORD_BYTES:,} (gapless.data.formats.MAX_RECORD_BYTES); split it into records")
@@ -461,6 +476,8 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
     chat = row.get(col("chat", "chat"))
     if isinstance(chat, str) and GLAIVE_TURN.match(chat.lstrip()):  # glaive-function-calling-v2's transcript
         return "glaive"
+    if isinstance(row.get(col("segments", "segments")), list):  # Axolotl's template-free input_output records
+        return "segments"
     for fmt, keys in (("messages", ["messages"]), ("sharegpt", ["conversations"]), ("sharegpt", ["conversation"]),
                       ("alpaca", ["instruction"]),
                       ("prompt_completion", ["prompt", "completion"]), ("text", ["text"])):
@@ -468,7 +485,8 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
             return fmt
     looked = ("looked for messages (messages), conversations or conversation (sharegpt), instruction (alpaca), prompt "
               "and completion (prompt_completion), text (text), message_tree_id and a prompt object (oasst), "
-              "conversation of {input, output} pairs (capybara), a chat string of USER:/ASSISTANT: turns (glaive)")
+              "conversation of {input, output} pairs (capybara), a chat string of USER:/ASSISTANT: turns (glaive), "
+              "a list of segments (segments)")
     if "chosen" in row and "rejected" in row:  # DPO's pairs: TRL's preference type, Anthropic/hh-rlhf's transcripts
         chosen = row["chosen"]
         # whole conversations (argilla/dpo-mix-7k; mlabonne/orpo-dpo-mix-40k, whose prompt column repeats the user turn)
@@ -484,7 +502,8 @@ def detect_format(row: dict, columns: dict[str, str], where: str) -> str:
         raise ValueError(f"{where}: a preference pair (chosen, rejected), for DPO, not supervised fine-tuning data "
                          f"({looked}); to train its chosen answers, set the source's {mapping}")
     raise ValueError(f"{where}: cannot tell the format from the columns {sorted(row)} ({looked}); set the source's "
-                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst, capybara, glaive) and "
+                     "format (messages, sharegpt, alpaca, prompt_completion, text, oasst, capybara, glaive, segments) "
+                     "and "
                      "columns, e.g. {format: prompt_completion, columns: {prompt: question, completion: answer}}")
 
 
@@ -663,6 +682,8 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         if not text("text").strip():  # bos and eos alone: a document that teaches the model to stop at once
             raise RecordError(where, "text", BAD_VALUE, "empty text")
         return Example(where, text=text("text"))
+    if fmt == "segments":
+        return Example(where, segments=_segments(_json_list(field("segments"), "segments", where), where))
     if fmt == "messages":
         turns = _json_list(field("messages"), "messages", where)
         messages = [_message(t, i, "messages", *_turn_keys(t, columns, "role"), roles, where)
@@ -713,6 +734,18 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         return Example(where, messages=_chat(text("system", False), text("prompt"), text("completion")),
                        tools=_tools(field("tools", False), where))
     raise AssertionError(fmt)
+
+
+def _segments(pieces: list, where: str) -> list[tuple[str, bool]]:
+    """Axolotl's input_output segments, [{"label": bool, "text": str}, ...], as (text, trained) pairs."""
+    out = []
+    for i, piece in enumerate(pieces):
+        if not (isinstance(piece, dict) and isinstance(piece.get("text"), str)
+                and isinstance(piece.get("label"), bool)):
+            raise RecordError(where, f"segments[{i}]", BAD_VALUE, f"expected {{\"label\": true|false, \"text\": "
+                              f"\"...\"}}, got {json.dumps(piece)[:60]}")
+        out.append((piece["text"], piece["label"]))
+    return out
 
 
 def _chat(system: str | None, user: str, assistant: str) -> list[dict]:

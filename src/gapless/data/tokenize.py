@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from gapless.data.chat_templates import TEMPLATES
-from gapless.data.formats import Example, RecordError, Skipped
+from gapless.data.formats import Example, RecordError, Skipped, text_of
 
 # Reasons a record yields no document (besides the reading errors of gapless.data.formats).
 NOTHING_TO_TRAIN, TEMPLATE_ERROR = "nothing_to_train", "template_error"
@@ -465,7 +465,7 @@ class Encoder:
         errors: list[tuple[int, RecordError]] = []
         counts: Counter = Counter()
         groups: dict[int, str] = {}
-        chats, texts = [], []
+        chats, texts, pieces = [], [], []
         for r, item in enumerate(items):
             if isinstance(item, Example) and item.group is not None:
                 groups[r] = item.group
@@ -475,6 +475,8 @@ class Encoder:
                 errors.append((r, item))
             elif item.text is not None:
                 texts.append((r, item))
+            elif item.segments is not None:
+                pieces.append((r, item))
             else:
                 try:
                     chats.append((r, item, *self.chat_text(item, counts)))
@@ -482,11 +484,12 @@ class Encoder:
                     errors.append((r, e))
         out = Chunk(len(items), counts=counts, groups=groups)
         try:
-            docs = self._tokenize_chats(chats) + self._tokenize_texts(texts)
+            docs = self._tokenize_chats(chats) + self._tokenize_texts(texts) + self._tokenize_segments(pieces)
         except Exception:  # the Rust tokenizer refused some text, for the whole batch: find which record
             docs = []
-            for one, tokenize_ in [([c], self._tokenize_chats) for c in chats] + [([t], self._tokenize_texts)
-                                                                                 for t in texts]:
+            for one, tokenize_ in ([([c], self._tokenize_chats) for c in chats]
+                                   + [([t], self._tokenize_texts) for t in texts]
+                                   + [([p], self._tokenize_segments) for p in pieces]):
                 try:
                     docs += tokenize_(one)
                 except Exception as e:  # e.g. "WordLevel error: Missing [UNK] token from the vocabulary"
@@ -506,7 +509,7 @@ class Encoder:
 
     def _unencodable(self, ex: Example, error: Exception) -> str:
         """What the tokenizer cannot encode in `ex`: the first few characters it refuses on their own."""
-        text = ex.text if ex.text is not None else "".join(m.get("content") or "" for m in ex.messages)
+        text = text_of(ex)
         bad = []
         for c in sorted(set(text)):
             try:
@@ -556,6 +559,24 @@ class Encoder:
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         return [(r, ex, np.asarray(bos + ids + eos, np.int32), np.ones(len(ids) + len(bos) + len(eos), np.uint8))
                 for (r, ex), ids in zip(texts, enc["input_ids"])]
+
+    def _tokenize_segments(self, pieces: list[tuple]) -> list[tuple]:
+        """(record, example) -> (record, example, ids, mask) for format segments, as Axolotl's input_output
+        (prompt_strategies/input_output.py) tokenizes them: each piece's text on its own, without special tokens
+        added, the pieces' ids concatenated; trained where the piece's label is (every token under train_on all)."""
+        if not pieces:
+            return []
+        flat = [(text, trained) for _, ex in pieces for text, trained in ex.segments]
+        enc = self.tok([text for text, _ in flat], add_special_tokens=False)["input_ids"] if flat else []
+        docs, k = [], 0
+        for r, ex in pieces:
+            ids, mask = [], []
+            for (_, trained), piece in zip(ex.segments, enc[k:k + len(ex.segments)]):
+                ids += piece
+                mask += [int(trained or self.train_on == "all")] * len(piece)
+            k += len(ex.segments)
+            docs.append((r, ex, np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
+        return docs
 
     def fit(self, ids: np.ndarray, mask: np.ndarray, is_text: bool) -> tuple[list, str]:
         """Apply data.overlong: the documents to keep and the record's status."""
@@ -718,7 +739,7 @@ def chunked(records: Iterator[Example | RecordError]) -> Iterator[list]:
     for item in records:
         chunk.append(item)
         if isinstance(item, Example):
-            chars += len(item.text) if item.text is not None else sum(len(m.get("content") or "") for m in item.messages)
+            chars += len(text_of(item))
         if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
