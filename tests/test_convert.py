@@ -1138,6 +1138,19 @@ def test_a_gapless_config_with_a_key_a_peer_shares_is_still_gapless(tmp_path):
         load_any(tmp_path / "c.yaml")
 
 
+@pytest.mark.parametrize("template", ["gemma", "gemma3"])
+@pytest.mark.parametrize("changes", [{}, {"mask_history": True}])
+def test_llamafactory_gemma_trains_its_ids_and_says_the_newline(files, lf_dir, template, changes):
+    """LLaMA-Factory's gemma and gemma3: the Jinja of its ids (tests/test_llamafactory_templates.py), the one token a
+    turn it trains and gapless does not said in the mapping."""
+    conv = convert(lf_raw(files, lf_dir, template=template, **changes))
+    assert conv.config["data"]["chat_template"] == (LF_JINJA_UNCUT if changes else LF_JINJA)[template]
+    (said,) = [t for s, t in conv.applied if s.startswith("template:")]
+    assert f"(LLaMA-Factory's {template} turns as Jinja: its token ids; " in said
+    assert "trains the newline it writes after each <end_of_turn>" in said and "one token a turn" in said
+    assert ("untrained answer" in said) == bool(changes)
+
+
 def test_llamafactory_detection_is_not_trls(files, lf_dir):
     trl = yaml.safe_load(TRL.format(**files, out="x"))
     assert detect(trl) == "trl"
@@ -1201,10 +1214,9 @@ def test_llamafactory_hub_datasets_are_paths_and_dataset_dir_online(files, lf_di
     ({"pissa_init": True}, "pissa_init: true: PiSSA"),
     ({"loraplus_lr_ratio": 16.0}, "loraplus_lr_ratio: 16.0: LoRA\\+"),
     ({"packing": True}, "packing: true: LLaMA-Factory's packing lets each document attend .*neat_packing: true"),
-    ({"template": "baichuan2"}, "template: baichuan2: gapless trains LLaMA-Factory's llama3, qwen, chatml, "
-                                "qwen3_nothink; for another"),
+    ({"template": "baichuan2"}, "template: baichuan2: gapless trains LLaMA-Factory's llama3, gemma, gemma3, qwen, "
+                                "chatml, qwen3_nothink; for another"),
     ({"template": "qwen3"}, r"template: qwen3: .*newline .*<\|im_end\|>.*empty <think></think> block"),
-    ({"template": "gemma3"}, r"template: gemma3: .*newline it writes after each <end_of_turn>"),
     ({"template": "gemma2"}, "template: gemma2: efficient_eos"),
     ({"template": "default"}, "template: default: .*newline it writes after each answer's eos"),
     ({"template": "empty"}, "template: empty: .*tokenizes each on its own"),

@@ -4,12 +4,14 @@ and the ones it refuses differ as the refusal says. `llamafactory_encode` re-imp
 _convert_elements_to_ids; data/processor/supervised.py: _encode_data_example), how LLaMA-Factory encodes a
 conversation: each message's slots filled in and tokenized on their own (`tokenizer.encode(text,
 add_special_tokens=False)`, {"bos_token"} / {"eos_token"} as the ids), the system message (or the template's
-default_system) written once before the first user turn, every assistant message trained, nothing else (no cutoff
+default_system) written once before the first user turn (Llama2Template's, gemma's: at the start of its content),
+every assistant message trained, nothing else (no cutoff
 here: every conversation fits). gapless's side is its Encoder with the Jinja the converter writes.
 """
 import pytest
 
 import chat_templates
+from test_templates import tokenizer_folder
 from gapless.data.chat_templates import LLAMAFACTORY, LLAMAFACTORY_UNCUT, TEMPLATES
 from gapless.data.formats import Example, SourceConfig, read_source
 from gapless.data.tokenize import Encoder, load_tokenizer
@@ -27,6 +29,10 @@ SPECS = {
              "user": ["<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"],
              "assistant": ["{{content}}<|im_end|>\n"],
              "default_system": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."},
+    # gemma and gemma3 (Llama2Template: the system slot filled in at the start of the first user turn's content)
+    "gemma": {"prefix": [BOS], "system": ["{{content}}\n\n"], "system_in_user": True,
+              "user": ["<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n"],
+              "assistant": ["{{content}}<end_of_turn>\n"]},
 }
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
@@ -59,9 +65,13 @@ def llamafactory_encode(tok, spec: dict, messages: list[dict], last_only: bool =
     ids, mask = [], []
     last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
     for i, m in enumerate(turns):
-        piece = encode(spec.get("prefix", [])) + (encode(spec["system"], system) if system else []) if i == 0 else []
+        piece = encode(spec.get("prefix", [])) if i == 0 else []
+        fused = i == 0 and system and spec.get("system_in_user")  # Llama2Template's
+        if i == 0 and system and not fused:
+            piece += encode(spec["system"], system)
         if m["role"] == "user":
-            piece += encode(spec["user"], m["content"])
+            piece += encode(spec["user"], (spec["system"][0].replace("{{content}}", system) if fused else "")
+                            + m["content"])
             mask += [0] * len(piece)
         else:
             piece += encode(spec["assistant"], m["content"])
@@ -178,3 +188,82 @@ def test_empty_tokenizes_where_turns_join_unlike_llamafactory(qwen2):
     ids = llamafactory_encode(qwen2, spec, messages)[0]
     assert gapless_encode(qwen2, template, messages)[0] != ids
     assert gapless_encode(qwen2, template, messages[:2]) == llamafactory_encode(qwen2, spec, messages[:2])
+
+
+@pytest.fixture(scope="module")
+def gemma(shared, tmp_path_factory):
+    """The shared Qwen2 tokenizer with Gemma's <bos>, <eos>, <start_of_turn> and <end_of_turn> as special tokens."""
+    return load_tokenizer(tokenizer_folder(shared, tmp_path_factory.mktemp("lf") / "gemma3", "gemma3"))
+
+
+def newline_after(tok, end: str, ids: list, mask: list, got_mask: list, answers: int) -> bool:
+    """Whether the masks differ exactly in the newline after `end`, once for each of `answers` answers, trained by
+    LLaMA-Factory alone."""
+    differ = [k for k, (a, b) in enumerate(zip(mask, got_mask)) if a != b]
+    return len(differ) == answers and all(mask[k] == 1 and [ids[k]] == tok.encode("\n", add_special_tokens=False)
+                                          and tok.decode(ids[k - 1]) == end for k in differ)
+
+
+def test_gemma_ids_match_but_llamafactory_trains_the_newline_after_end_of_turn(shared, gemma):
+    """gemma and gemma3 (convert.LLAMAFACTORY_SEPARATOR): LLAMAFACTORY["gemma"] writes LLaMA-Factory's ids for every
+    conversation, untrimmed content and empty system messages included, on the Qwen2 tokenizer with Gemma's turn
+    markers; its labels also hold the newline after each <end_of_turn>, one token an answer, which gapless does not
+    train. Gemma 3's own template (gapless's gemma3 too) trims each turn and writes an empty system message's blank
+    line, so its ids differ; Gemma's (gapless's gemma) refuses a system message."""
+    conversations = CONVERSATIONS + shared_conversations(shared)
+    for messages in conversations:
+        ids, mask = llamafactory_encode(gemma, SPECS["gemma"], messages)
+        got_ids, got_mask = gapless_encode(gemma, LLAMAFACTORY["gemma3"], messages)
+        assert got_ids == ids, messages
+        assert newline_after(gemma, "<end_of_turn>", ids, mask, got_mask,
+                             sum(m["role"] == "assistant" for m in messages))
+    assert LLAMAFACTORY["gemma"] == LLAMAFACTORY["gemma3"]
+    for messages in CONVERSATIONS[1:3]:
+        for template in (TEMPLATES["gemma3"], chat_templates.GEMMA3):
+            assert gapless_encode(gemma, template, messages)[0] != llamafactory_encode(gemma, SPECS["gemma"],
+                                                                                         messages)[0]
+    chunk = Encoder(gemma, TEMPLATES["gemma"], max_seq_len=10**6, train_on="assistant",
+                    overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=CONVERSATIONS[1])])
+    assert "System role not supported" in str(chunk.errors[0])
+
+
+@pytest.mark.parametrize("lead", ["\n", " \n", "\t\n"])
+def test_gemma_under_mask_history_and_train_on_prompt(shared, gemma, lead):
+    """mask_history and train_on_prompt: LLAMAFACTORY_UNCUT["gemma"] writes LLaMA-Factory's ids (train_on_prompt: its
+    mask too; mask_history: but for the last answer's newline). An untrained answer whose leading whitespace holds a
+    newline would tokenize together with the `model\n` before it, unlike LLaMA-Factory: a template error."""
+    conversations = [c for c in CONVERSATIONS + shared_conversations(shared)
+                     if not any(m["role"] == "assistant" and "\n" in m["content"][:len(m["content"])
+                                                                      - len(m["content"].lstrip())] for m in c)]
+    assert len(conversations) > 12
+    for messages in conversations:
+        ids, mask = llamafactory_encode(gemma, SPECS["gemma"], messages, last_only=True)
+        got_ids, got_mask = gapless_encode(gemma, LLAMAFACTORY_UNCUT["gemma"], messages, "last_assistant")
+        assert got_ids == ids and newline_after(gemma, "<end_of_turn>", ids, mask, got_mask, 1)
+        assert gapless_encode(gemma, LLAMAFACTORY_UNCUT["gemma"], messages, "all") == (ids, [1] * len(ids))
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": lead + "4"},
+                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    assert gapless_encode(gemma, LLAMAFACTORY["gemma"], messages, "last_assistant")[0] != \
+        llamafactory_encode(gemma, SPECS["gemma"], messages)[0]
+    chunk = Encoder(gemma, LLAMAFACTORY_UNCUT["gemma"], max_seq_len=10**6, train_on="last_assistant",
+                    overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=messages)])
+    assert [e.reason for e in chunk.errors] == ["template_error"] and "starts with a newline" in str(chunk.errors[0])
+    spaces = [messages[0], {"role": "assistant", "content": " \t 4"}, *messages[2:]]  # tokenize alike: no error
+    assert gapless_encode(gemma, LLAMAFACTORY_UNCUT["gemma"], spaces, "all")[0] == \
+        llamafactory_encode(gemma, SPECS["gemma"], spaces)[0]
+
+
+def test_gemma_tool_turns_and_stray_roles_are_counted_template_errors(shared, gemma):
+    """LLaMA-Factory writes glaive's tools into the first user turn and its calls and results as its own text; it
+    skips a conversation whose roles do not alternate from a user turn: template errors in gapless."""
+    examples = list(read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl"))))[:20]
+    chunk = Encoder(gemma, LLAMAFACTORY["gemma"], max_seq_len=10**6, train_on="assistant",
+                    overlong="truncate").encode_chunk(examples)
+    tools = {ex.where for ex in examples if ex.tools or any(m["role"] == "tool" or m.get("is_tool_call")
+                                                            for m in ex.messages)}
+    assert len(tools) > 5 and {e.where for e in chunk.errors} == tools
+    assert all(e.reason == "template_error" and "LLaMA-Factory writes" in str(e) for e in chunk.errors)
+    stray = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "assistant", "content": "c"}]
+    chunk = Encoder(gemma, LLAMAFACTORY["gemma"], max_seq_len=10**6, train_on="assistant",
+                    overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=stray)])
+    assert "roles must alternate" in str(chunk.errors[0])

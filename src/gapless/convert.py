@@ -1332,11 +1332,13 @@ _TRAINS_NEWLINE = ("LLaMA-Factory trains the newline it writes after each {end} 
 # exactly, and whose loss mask differs in the one token _TRAINS_NEWLINE says (test_llamafactory_templates.py, on the
 # Qwen2 tokenizer): trained as that template, with the difference said in the mapping, as an unset template is
 LLAMAFACTORY_NEAR = {"qwen": "qwen_25", "chatml": "chatml", "qwen3_nothink": "chatml"}
+# LLaMA-Factory's templates whose Jinja in chat_templates.LLAMAFACTORY gives its token ids, and whose loss mask
+# differs in the one token _TRAINS_NEWLINE says, after this end-of-turn token (test_llamafactory_templates.py)
+LLAMAFACTORY_SEPARATOR = {"gemma": "<end_of_turn>", "gemma3": "<end_of_turn>"}
 LLAMAFACTORY_REFUSED = {
     **{name: _TRAINS_NEWLINE.format(end="<|im_end|>") for name in ("qwen2_vl", "yi")},
     "qwen3": _TRAINS_NEWLINE.format(end="<|im_end|>") + "; and it trains an empty <think></think> block it puts "
              "into answers without one (ReasoningTemplate with enable_thinking)",
-    **{name: _TRAINS_NEWLINE.format(end="<end_of_turn>") for name in ("gemma", "gemma3")},
     "gemma2": "efficient_eos: LLaMA-Factory trains the newline after each <end_of_turn>, an eos label at each next "
               "prompt's first token and an eos it appends to the conversation",
     "default": "LLaMA-Factory trains the newline it writes after each answer's eos ('{{content}}', eos, '\\n'); "
@@ -1441,10 +1443,12 @@ def convert_llamafactory(raw: dict) -> Conversion:
         # gapless.data.chat_templates: the Jinja whose ids and loss mask are LLaMA-Factory's; when some answers do not
         # train, the one that also skips the records gapless would tokenize otherwise
         every_answer = not (c.get("train_on_prompt") or c.get("mask_history"))
+        end = LLAMAFACTORY_SEPARATOR.get(template)
         c.put("template", "data.chat_template", (LLAMAFACTORY if every_answer else LLAMAFACTORY_UNCUT)[template],
-              f"LLaMA-Factory's {template} turns as Jinja: its token ids and loss mask; records with tools or tool "
-              "turns are skipped and counted" + ("" if every_answer else ", and those with an untrained answer "
-                                                                         "starting with a newline"))
+              f"LLaMA-Factory's {template} turns as Jinja: its token ids"
+              + ("; " + _TRAINS_NEWLINE.format(end=end) + ";" if end else " and loss mask;")
+              + " records with tools or tool turns are skipped and counted"
+              + ("" if every_answer else ", and those with an untrained answer starting with a newline"))
     elif template in LLAMAFACTORY_NEAR:
         name = LLAMAFACTORY_NEAR[template]
         c.put("template", "data.chat_template", TEMPLATES[name],

@@ -6,9 +6,11 @@ sees them), OpenAI-style `tool_calls` and `tools` (qwen_25). tests/test_chat_tem
 A config names one as data.chat_template (for a base model's tokenizer, which has no template of its own) or
 through the Axolotl converter (gapless.convert), which writes the Jinja itself.
 
-LLAMAFACTORY holds the Jinja of LLaMA-Factory's template names that gapless trains token for token as LLaMA-Factory
-does (its src/llamafactory/data/template.py and data/processor/supervised.py); the LLaMA-Factory converter writes
-it. tests/test_llamafactory_templates.py checks ids and loss mask against LLaMA-Factory's encoding.
+LLAMAFACTORY holds the Jinja of LLaMA-Factory's template names whose token ids gapless writes as LLaMA-Factory does
+(its src/llamafactory/data/template.py and data/processor/supervised.py), and whose loss mask is its own but for
+the separator gemma's writes after each end-of-turn token (gapless.convert.LLAMAFACTORY_SEPARATOR); the
+LLaMA-Factory converter writes it. tests/test_llamafactory_templates.py checks ids and loss mask against
+LLaMA-Factory's encoding.
 """
 from __future__ import annotations
 
@@ -134,7 +136,43 @@ LLAMAFACTORY_LLAMA3_UNCUT = LLAMAFACTORY_LLAMA3.replace(
     "trains (mask_history, train_on_prompt)') }}{% endif %}"
     "{% if m['role'] != 'system' or m['content'] %}", 1)
 
+# LLaMA-Factory's gemma and gemma3 (the same turns; gemma3 adds an image plugin): the BOS, each turn
+# `<start_of_turn>ROLE\nCONTENT<end_of_turn>\n` with its content untrimmed (Gemma's own templates trim it), the
+# assistant's role `model`, user and assistant alternating from a user turn (it skips other records), and a non-empty
+# system message with a blank line at the start of the first user turn (its Llama2Template; an empty one writes
+# nothing, where Gemma 3's own template writes the blank line). Its replace_eos (the eos becomes <end_of_turn>) changes
+# no id: no slot writes the eos. Tools, tool calls and results are its own text: a template error, as for llama3.
+# LLaMA-Factory also trains the newline after each <end_of_turn>, which gapless does not (gapless.convert says so)
+LLAMAFACTORY_GEMMA = (
+    "{% if tools %}{{ raise_exception('LLaMA-Factory writes the tools into the first user turn as its own text, "
+    "which gapless does not render') }}{% endif %}"
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for m in (messages[1:] if messages[0]['role'] == 'system' else messages) %}"
+    "{% if m['role'] == 'tool' or m['tool_calls'] %}"
+    "{{ raise_exception('LLaMA-Factory writes tool calls and results as its own text, which gapless does not "
+    "render') }}{% endif %}"
+    "{% if (m['role'] == 'user') != loop.index0 is even or m['role'] not in ('user', 'assistant') %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
+    "{% if loop.first and system %}{{ system + '\n\n' }}{% endif %}"
+    "{{ m['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+# LLAMAFACTORY_GEMMA for train_on all or last_assistant: an untrained answer whose leading whitespace holds a newline
+# merges it into the `model\n` before it (Qwen2's pre-tokenizer: "\n\n" and "\n \n" one piece each), which
+# LLaMA-Factory tokenizes apart: a template error, skipped and counted
+LLAMAFACTORY_GEMMA_UNCUT = LLAMAFACTORY_GEMMA.replace(
+    "{{ m['content'] + '<end_of_turn>\n' }}",
+    "{% set lead = m['content'][:(m['content'] | length) - (m['content'].lstrip() | length)] %}"
+    "{% if m['role'] == 'assistant' and ('\n' in lead or '\r' in lead) %}"
+    "{{ raise_exception('an answer that starts with a newline tokenizes unlike LLaMA-Factory when not every answer "
+    "trains (mask_history, train_on_prompt)') }}{% endif %}"
+    "{{ m['content'] + '<end_of_turn>\n' }}", 1)
+
 # LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (the
 # names it refuses, and why, are gapless.convert.LLAMAFACTORY_REFUSED)
-LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3}
-LLAMAFACTORY_UNCUT = {"llama3": LLAMAFACTORY_LLAMA3_UNCUT}
+LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3, "gemma": LLAMAFACTORY_GEMMA, "gemma3": LLAMAFACTORY_GEMMA}
+LLAMAFACTORY_UNCUT = {"llama3": LLAMAFACTORY_LLAMA3_UNCUT, "gemma": LLAMAFACTORY_GEMMA_UNCUT,
+                      "gemma3": LLAMAFACTORY_GEMMA_UNCUT}
