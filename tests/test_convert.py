@@ -15,6 +15,7 @@ from gapless.config import ALL_LINEAR, from_dict, RunConfig
 from gapless.convert import check_local, check_run_paths, convert, detect, load_any
 from gapless.data.chat_templates import LLAMAFACTORY as LF_JINJA, LLAMAFACTORY_UNCUT as LF_JINJA_UNCUT
 from gapless.data.chat_templates import TEMPLATES
+from gapless.data.formats import read_source
 from gapless.demo import write_base_model
 from gapless.train.loop import train
 
@@ -1100,7 +1101,9 @@ def test_llamafactory_converts_and_trains(files, lf_dir, capsys):
     assert "llamafactory config -> gapless" in printed
     assert [(s.path, s.format) for s in cfg.data.sources] == [(str(lf_dir / "identity.json"), "alpaca"),
                                                              (str(lf_dir / "chat.jsonl"), "sharegpt")]
-    assert cfg.data.sources[1].columns == {"conversations": "messages", "from": "role", "value": "content"}
+    assert cfg.data.sources[0].columns == {"system": None, "history": None}
+    assert cfg.data.sources[1].columns == {"conversations": "messages", "system": None, "tools": None, "from": "role",
+                                           "value": "content"}
     assert (cfg.data.max_seq_len, cfg.data.batching, cfg.data.rows_per_batch) == (64, "padded", 2)
     assert (cfg.method, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == ("lora", 4, 8.0, 0.0)  # alpha: rank * 2
     assert cfg.lora.target_modules == list(ALL_LINEAR) and cfg.data.train_on == "assistant"
@@ -1188,14 +1191,57 @@ def test_llamafactory_mappings(files, lf_dir, changes, expect):
 def test_llamafactory_sharegpt_tags_are_columns_and_roles(files, lf_dir):
     cfg = from_dict(RunConfig, convert(lf_raw(files, lf_dir, dataset="speakers", max_samples=...)).config)
     src = cfg.data.sources[0]
-    assert (src.format, src.columns) == ("sharegpt", {"conversations": "conversation", "from": "speaker",
-                                                      "value": "text"})
+    assert (src.format, src.columns) == ("sharegpt", {"conversations": "conversation", "system": None, "tools": None,
+                                                      "from": "speaker", "value": "text"})
     assert src.roles == {"bot": "assistant"}  # human is gapless's user already
+
+
+def test_llamafactory_reads_only_the_columns_dataset_info_names(files, tmp_path):
+    """LLaMA-Factory reads a dataset's system, tools and history columns only where dataset_info.json names them, and
+    an entry with `columns` reads no column it leaves out (its query: no input); the converted sources, read by
+    gapless's reader, leave them out too (columns mapped to null), and read those it names, a history under another
+    name included. An entry without a column every record needs is refused."""
+    system = {"instruction": "And 3?", "input": "x", "output": "9", "system": "S", "history": [["2?", "4"]],
+              "turns": [["1?", "1"]]}
+    (tmp_path / "a.json").write_text(json.dumps([system]))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    (tmp_path / "s.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "q"},
+                                                                    {"from": "gpt", "value": "a"}],
+                                                  "system": "S", "tools": json.dumps(tools)}]))
+    info = {"plain": {"file_name": "a.json"},
+            "named": {"file_name": "a.json", "columns": {"prompt": "instruction", "response": "output",
+                                                          "system": "system", "history": "turns"}},
+            "chat": {"file_name": "s.json", "formatting": "sharegpt"},
+            "chat_named": {"file_name": "s.json", "formatting": "sharegpt",
+                           "columns": {"messages": "conversations", "system": "system", "tools": "tools"}},
+            "no_prompt": {"file_name": "a.json", "columns": {"query": "input", "response": "output"}}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+
+    def read(name: str):
+        conv = convert(lf_raw(files, tmp_path, dataset=name, dataset_dir=str(tmp_path), max_samples=...))
+        (src,) = from_dict(RunConfig, conv.config).data.sources
+        (said,) = [t for s, t in conv.applied if s == f"dataset: {name}"]
+        return list(read_source(src))[0], said
+
+    ex, said = read("plain")
+    assert ex.messages == [{"role": "user", "content": "And 3?\n\nx"}, {"role": "assistant", "content": "9"}]
+    assert "system, history: null, not read where a record has it" in said
+    ex, _ = read("named")
+    assert [m["content"] for m in ex.messages] == ["S", "1?", "1", "And 3?", "9"]  # no query named: no input
+    ex, said = read("chat")
+    assert (ex.messages, ex.tools) == ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], None)
+    assert "system, tools: null" in said
+    ex, _ = read("chat_named")
+    assert ex.messages[0] == {"role": "system", "content": "S"} and ex.tools == tools
+    with pytest.raises(ValueError, match=r"dataset: no_prompt: columns: .*: no prompt, so LLaMA-Factory reads no "
+                                         r"instruction column .*name it \(prompt: instruction\)"):
+        convert(lf_raw(files, tmp_path, dataset="no_prompt", dataset_dir=str(tmp_path), max_samples=...))
 
 
 def test_llamafactory_hub_datasets_are_paths_and_dataset_dir_online(files, lf_dir):
     conv = convert(lf_raw(files, lf_dir, dataset="glaive_toolcall_en", max_samples=...))
-    assert conv.config["data"]["sources"] == [{"path": "llamafactory/glaive_toolcall_en", "format": "sharegpt"}]
+    assert conv.config["data"]["sources"] == [{"path": "llamafactory/glaive_toolcall_en", "format": "sharegpt",
+                                               "columns": {"system": None}}]
     conv = convert(lf_raw(files, lf_dir, dataset="tatsu-lab/alpaca", dataset_dir="ONLINE", max_samples=...))
     assert conv.config["data"]["sources"] == [{"path": "tatsu-lab/alpaca"}]
 

@@ -397,6 +397,37 @@ def test_alpaca_variants_keep_every_part_of_the_prompt(tmp_path):
     assert str(got[1]).startswith(f"{tmp_path / 'lf.jsonl'}:2: history: expected a list of [user, assistant] pairs")
 
 
+def test_optional_fields_mapped_to_null_are_not_read(tmp_path):
+    """columns {FIELD: null}: a record's system, tools, alpaca input or history is left out, as LLaMA-Factory leaves
+    out the columns its dataset_info.json does not name; a history under another name is mapped like any field. A
+    field every record needs cannot be null."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "And 3?", "input": "x", "output": "9", "system": "S",
+                                                  "history": [["2?", "4"]], "turns": [["1?", "1"]]}) + "\n")
+    (tmp_path / "s.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "q"},
+                                                                    {"from": "gpt", "value": "a"}],
+                                                  "system": "S", "tools": tools}) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": "a"}],
+                                                  "tools": tools, "functions": [tools[0]["function"]]}) + "\n")
+    qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    got = examples(SourceConfig(path=str(tmp_path / "a.jsonl"), format="alpaca",
+                                columns={"system": None, "history": None, "input": None}))[0]
+    assert got.messages == [{"role": "user", "content": "And 3?"}, {"role": "assistant", "content": "9"}]
+    got = examples(SourceConfig(path=str(tmp_path / "a.jsonl"), format="alpaca", columns={"history": "turns"}))[0]
+    assert [m["content"] for m in got.messages] == ["S", "1?", "1", "And 3?\n\nx", "9"]
+    got = examples(SourceConfig(path=str(tmp_path / "s.jsonl"), columns={"system": None, "tools": None}))[0]
+    assert (got.messages, got.tools) == (qa, None)
+    got = examples(SourceConfig(path=str(tmp_path / "s.jsonl")))[0]  # unmapped, both read
+    assert got.messages[0] == {"role": "system", "content": "S"} and got.tools
+    got = examples(SourceConfig(path=str(tmp_path / "m.jsonl"), format="messages", columns={"tools": None}))[0]
+    assert (got.messages, got.tools) == (qa, None)  # nor the legacy functions in its place
+    with pytest.raises(ValueError, match=r"^source.columns.instruction: null \(not read\) is for the fields a record "
+                                         r"may leave out \(input, system, history\)"):
+        SourceConfig(path="x", format="alpaca", columns={"instruction": None}).validate()
+    from_dict(DataConfig, {"sources": [{"path": "x", "columns": {"system": None}}]}, "data")  # auto: any optional
+
+
 def test_a_csv_cell_as_long_as_a_json_record_reads(tmp_path):
     """csv's default field limit (128 KiB) refused a whole CSV over one long document that a JSON line holds."""
     story = "word " * 60_000  # 300,000 characters

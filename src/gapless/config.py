@@ -456,7 +456,7 @@ def read_yaml(path: str | Path) -> dict:
 DATA_FORMAT_FIELDS = {
     "messages": ("messages", "tools", "role", "content"),
     "sharegpt": ("conversations", "tools", "system", "from", "value"),
-    "alpaca": ("instruction", "input", "output", "system", "instances"),
+    "alpaca": ("instruction", "input", "output", "system", "history", "instances"),
     "prompt_completion": ("prompt", "completion", "system", "tools"),
     "text": ("text",),
     "oasst": ("prompt",),
@@ -465,6 +465,10 @@ DATA_FORMAT_FIELDS = {
     "glaive": ("system", "chat"),
     "segments": ("segments",),
 }
+# The fields a format reads when a record has them, which SourceConfig.columns may map to null: not read (LLaMA-Factory
+# reads a dataset's system, tools and history columns only where dataset_info.json names them)
+DATA_FORMAT_OPTIONAL = {"messages": ("tools",), "sharegpt": ("tools", "system"), "alpaca": ("input", "system", "history"),
+                        "prompt_completion": ("system", "tools")}
 # What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
 # (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
@@ -485,7 +489,9 @@ class SourceConfig:
     # and concatenated, nothing added (no bos, eos nor template), the tokens of label true trained
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "oasst",
                     "oasst_top1", "capybara", "glaive", "segments"] = "auto"
-    columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the file's name for it
+    # canonical field -> the file's name for it; null: an optional field (DATA_FORMAT_OPTIONAL: a system, tools, an
+    # alpaca input or history) not read, even where a record has it
+    columns: dict[str, str | None] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)  # the file's role name -> one of CHAT_ROLES, over the defaults
     # drop each conversation's leading system turn (its first turn when that is a system one, the format's system
     # field included) before the chat template renders it, as Axolotl's drop_system_message; a default system
@@ -517,6 +523,12 @@ class SourceConfig:
                 hint = difflib.get_close_matches(key, known, n=1)
                 raise ValueError(f"{where}.columns.{key}: not a field of format {self.format!r}"
                                  + (f"; did you mean {hint[0]!r}?" if hint else f"; fields: {list(known)}"))
+        optional = (DATA_FORMAT_OPTIONAL.get(self.format, ()) if self.format != "auto"
+                    else sorted({f for fields in DATA_FORMAT_OPTIONAL.values() for f in fields}))
+        for key in [k for k, v in self.columns.items() if v is None and k in known and k not in optional]:
+            raise ValueError(f"{where}.columns.{key}: null (not read) is for the fields a record may leave out "
+                             f"({', '.join(optional) or 'none in format ' + repr(self.format)}); give the column "
+                             "that holds it")
         for name, role in self.roles.items():
             if role not in CHAT_ROLES:
                 raise ValueError(f"{where}.roles.{name}: {role!r} is not one of {list(CHAT_ROLES)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gapless.config import ALL_LINEAR, DataConfig, RunConfig
+from gapless.config import ALL_LINEAR, DATA_FORMAT_OPTIONAL, DataConfig, RunConfig
 from gapless.data.chat_templates import LLAMAFACTORY, LLAMAFACTORY_UNCUT, TEMPLATES
 from gapless.data.formats import DEFAULT_ROLES, GZIPPED, SUFFIXES
 
@@ -1607,8 +1607,12 @@ def _llamafactory_datasets(c: _Converter, key: str, dotted: str) -> None:
 
 # dataset_info.json's columns (data/README.md) for each formatting, as gapless's canonical fields
 LLAMAFACTORY_COLUMNS = {"alpaca": {"prompt": "instruction", "query": "input", "response": "output",
-                                   "system": "system"},
+                                   "system": "system", "history": "history"},
                         "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"}}
+# the columns LLaMA-Factory reads where an entry has no `columns` (data/parser.py DatasetAttr); an entry with
+# `columns` reads those it names and no other (DatasetAttr.join sets every unnamed one to None)
+LLAMAFACTORY_DEFAULT_COLUMNS = {"alpaca": {"prompt": "instruction", "query": "input", "response": "output"},
+                                "sharegpt": {"messages": "conversations"}}
 # its sharegpt tags: (tag, LLaMA-Factory's default role name, gapless's role)
 LLAMAFACTORY_ROLE_TAGS = (("user_tag", "human", "user"), ("assistant_tag", "gpt", "assistant"),
                           ("observation_tag", "observation", "tool"), ("function_tag", "function_call", "tool_call"),
@@ -1650,19 +1654,31 @@ def _llamafactory_dataset(entry: dict, folder: str) -> tuple[dict, list[str], li
         bad.append(("formatting", "gapless reads LLaMA-Factory's alpaca and sharegpt formats"))
         return src, notes, bad
     src["format"] = fmt
-    theirs = entry.get("columns") or {}
-    columns = {}
+    theirs = ({k: v for k, v in (entry["columns"] or {}).items() if v is not None} if "columns" in entry
+              else LLAMAFACTORY_DEFAULT_COLUMNS[fmt])
+    columns: dict[str, str | None] = {}
     for name, column in theirs.items():
         ours = LLAMAFACTORY_COLUMNS[fmt].get(name)
-        if fmt == "alpaca" and name == "history":  # gapless's alpaca reads a history from the field `history`
-            if column != "history":
-                bad.append((f"columns.{name}", f"{column!r}: gapless reads an alpaca history from the field named "
-                                               "history; rename the field"))
-        elif ours is None:
+        if ours is None:
             bad.append((f"columns.{name}", f"{column!r}: not a column of supervised {fmt} data gapless reads "
                                            f"({', '.join(LLAMAFACTORY_COLUMNS[fmt])})"))
         elif column != ours:
             columns[ours] = column
+    # what LLaMA-Factory does not read: an optional field gapless would read where a record has it is mapped to null
+    # (SourceConfig.columns), one every record needs is refused
+    unread = []
+    for name, ours in LLAMAFACTORY_COLUMNS[fmt].items():
+        if name in theirs:
+            continue
+        if ours in DATA_FORMAT_OPTIONAL[fmt]:
+            columns[ours] = None
+            unread.append(ours)
+        else:
+            bad.append(("columns", f"no {name}, so LLaMA-Factory reads no {ours} column (it reads only the "
+                                   f"columns an entry names); name it ({name}: {ours})"))
+    if unread:
+        notes.append(f"{', '.join(unread)}: null, not read where a record has it: LLaMA-Factory reads only the "
+                     "columns dataset_info.json names" + ("" if "columns" in entry else " (or its defaults)"))
     tags = entry.get("tags") or {}
     if fmt == "alpaca":
         notes.append("the user turn is instruction, a blank line and input (LLaMA-Factory joins them with one "

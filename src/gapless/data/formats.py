@@ -1,6 +1,7 @@
 """Readers: the files users have -> `Example` records (a conversation in messages form, or plain text).
 
-Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, renamed by `columns`):
+Formats (SourceConfig.format, canonical fields in config.DATA_FORMAT_FIELDS, renamed by `columns`; a field marked ?
+mapped to null there is not read):
   messages           {"messages": [{"role", "content"}, ...], "tools"?}
   sharegpt           {"conversations": [{"from", "value"}, ...], "tools"?, "system"?}; roles mapped
                      (`conversation` too; unmapped, either format's turns may be {"role", "content"} or
@@ -662,6 +663,8 @@ def _rank(message: dict) -> tuple[int, float]:
 def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, str], where: str) -> Example:
     def field(name: str, required: bool = True) -> Any:
         key = columns.get(name, name)
+        if key is None:  # mapped to null: not read (SourceConfig.columns)
+            return None
         value = row.get(key)
         if value is None or (value == "" and not required):
             if required:
@@ -689,7 +692,8 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         messages = [_message(t, i, "messages", *_turn_keys(t, columns, "role"), roles, where)
                     for i, t in enumerate(turns)]
         tools = field("tools", False)
-        if tools is None and isinstance(row.get("functions"), list):  # OpenAI's legacy function definitions
+        if tools is None and columns.get("tools", "tools") and isinstance(row.get("functions"), list):
+            # OpenAI's legacy function definitions
             tools = [{"type": "function", "function": f} for f in row["functions"]]
         return Example(where, messages=messages, tools=_tools(tools, where))
     if fmt == "sharegpt":
@@ -717,7 +721,8 @@ def to_example(row: dict, fmt: str, columns: dict[str, str], roles: dict[str, st
         instruction, extra, system = text("instruction"), text(extra, False), text("system", False)
         user = instruction + (f"\n\n{extra}" if extra else "")
         chat = _chat(system, user, text(response))
-        return Example(where, messages=chat[:-2] + _history(row.get("history"), where) + chat[-2:])
+        history = columns.get("history", "history")  # (an empty string is a bad history, not an absent one)
+        return Example(where, messages=chat[:-2] + _history(row.get(history) if history else None, where) + chat[-2:])
     if fmt == "prompt_completion":
         prompt, completion = field("prompt"), field("completion")
         if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
