@@ -1226,8 +1226,10 @@ def test_llamafactory_reads_only_the_columns_dataset_info_names(files, tmp_path)
     ex, said = read("plain")
     assert ex.messages == [{"role": "user", "content": "And 3?\n\nx"}, {"role": "assistant", "content": "9"}]
     assert "system, history: null, not read where a record has it" in said
-    ex, _ = read("named")
+    assert "instruction, a blank line and input (LLaMA-Factory joins them with one newline)" in said
+    ex, said = read("named")
     assert [m["content"] for m in ex.messages] == ["S", "1?", "1", "And 3?", "9"]  # no query named: no input
+    assert "a blank line" not in said  # no input, nothing joined
     ex, said = read("chat")
     assert (ex.messages, ex.tools) == ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], None)
     assert "system, tools: null" in said

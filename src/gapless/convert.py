@@ -1681,8 +1681,11 @@ def _llamafactory_dataset(entry: dict, folder: str) -> tuple[dict, list[str], li
                      "columns dataset_info.json names" + ("" if "columns" in entry else " (or its defaults)"))
     tags = entry.get("tags") or {}
     if fmt == "alpaca":
-        notes.append("the user turn is instruction, a blank line and input (LLaMA-Factory joins them with one "
-                     "newline), rendered through the chat template")
+        # gapless's alpaca joins them with a blank line, which no setting changes (gapless.data.formats.to_example);
+        # LLaMA-Factory's AlpacaDatasetConverter with "\n".join
+        if columns.get("input", "input") is not None:
+            notes.append("the user turn is instruction, a blank line and input (LLaMA-Factory joins them with one "
+                         "newline), rendered through the chat template")
         bad += [(f"tags.{k}", "tags are for the sharegpt format") for k in tags]
     else:
         for tag, ours in (("role_tag", "from"), ("content_tag", "value")):
