@@ -1341,7 +1341,7 @@ LLAMAFACTORY_REFUSED = {
              "into answers without one (ReasoningTemplate with enable_thinking)",
     "gemma2": "efficient_eos: LLaMA-Factory trains the newline after each <end_of_turn>, an eos label at each next "
               "prompt's first token and an eos it appends to the conversation",
-    "default": "gapless ships no template that writes its turns ('Human: ', eos, '\\nAssistant:', each slot "
+    "default": "gapless ships no template that writes its turns ('Human: {{content}}', eos, '\\nAssistant:', each slot "
                "tokenized on its own), and LLaMA-Factory trains the newline it writes after each answer's eos "
                "('{{content}}', eos, '\\n'); gapless trains an answer through its end-of-turn token",
     "empty": "LLaMA-Factory writes the turns back to back and tokenizes each on its own; gapless tokenizes an answer "
