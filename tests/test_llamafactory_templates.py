@@ -263,7 +263,8 @@ def test_gemma_tool_turns_and_stray_roles_are_counted_template_errors(shared, ge
                                                             for m in ex.messages)}
     assert len(tools) > 5 and {e.where for e in chunk.errors} == tools
     assert all(e.reason == "template_error" and "LLaMA-Factory writes" in str(e) for e in chunk.errors)
-    stray = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "assistant", "content": "c"}]
+    stray = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+             {"role": "assistant", "content": "c"}]
     chunk = Encoder(gemma, LLAMAFACTORY["gemma"], max_seq_len=10**6, train_on="assistant",
                     overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=stray)])
     assert "roles must alternate" in str(chunk.errors[0])

@@ -467,8 +467,8 @@ DATA_FORMAT_FIELDS = {
 }
 # The fields a format reads when a record has them, which SourceConfig.columns may map to null: not read (LLaMA-Factory
 # reads a dataset's system, tools and history columns only where dataset_info.json names them)
-DATA_FORMAT_OPTIONAL = {"messages": ("tools",), "sharegpt": ("tools", "system"), "alpaca": ("input", "system", "history"),
-                        "prompt_completion": ("system", "tools")}
+DATA_FORMAT_OPTIONAL = {"messages": ("tools",), "sharegpt": ("tools", "system"),
+                        "alpaca": ("input", "system", "history"), "prompt_completion": ("system", "tools")}
 # What a source's role names may map to; `tool_call` is an assistant turn that calls a tool
 # (ShareGPT's function_call), kept as {"role": "assistant", "is_tool_call": true}.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
