@@ -173,9 +173,10 @@ def run_train(args) -> int:
 
 
 def register_convert(sub) -> None:
-    p = sub.add_parser("convert-config", help="write the gapless config equivalent to an Axolotl, TRL or LLaMA-Factory YAML",
-                       description="Detect an Axolotl, TRL SFTConfig-style or LLaMA-Factory training YAML, print the mapping "
-                                   "applied, and "
+    p = sub.add_parser("convert-config",
+                       help="write the gapless config equivalent to an Axolotl, TRL or LLaMA-Factory YAML",
+                       description="Detect an Axolotl, TRL SFTConfig-style or LLaMA-Factory training YAML, print the "
+                                   "mapping applied, and "
                                    "write the equivalent gapless YAML; every setting gapless cannot honour is "
                                    "named, and nothing is written. (`gapless train` accepts such a file directly.)")
     p.add_argument("source", metavar="IN", help="the Axolotl, TRL or LLaMA-Factory YAML")

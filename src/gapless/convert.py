@@ -1385,8 +1385,9 @@ def convert_llamafactory(raw: dict) -> Conversion:
                             "neat_packing: set neat_packing: true (or packing: false)")
     else:
         _set(c.out, "data.batching", "padded")
-        c.conv.applied.append((f"packing: {_show(packing) if 'packing' in raw else '(unset)'}", "data.batching: padded  (LLaMA-Factory packs only with "
-                                                             "packing or neat_packing in supervised fine-tuning)"))
+        c.conv.applied.append((f"packing: {_show(packing) if 'packing' in raw else '(unset)'}",
+                               "data.batching: padded  (LLaMA-Factory packs only with packing or neat_packing in "
+                               "supervised fine-tuning)"))
     if "neat_packing" in raw and not neat:
         c.note("neat_packing", "off")
     _set(c.out, "data.overlong", "truncate")
