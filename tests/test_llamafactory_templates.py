@@ -268,3 +268,36 @@ def test_gemma_tool_turns_and_stray_roles_are_counted_template_errors(shared, ge
     chunk = Encoder(gemma, LLAMAFACTORY["gemma"], max_seq_len=10**6, train_on="assistant",
                     overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=stray)])
     assert "roles must alternate" in str(chunk.errors[0])
+
+
+@pytest.mark.parametrize("template", ["qwen", "chatml", "qwen3_nothink"])
+@pytest.mark.parametrize("lead", ["\n", " \n", "\t\n"])
+def test_qwen_under_mask_history_and_train_on_prompt(shared, qwen2, template, lead):
+    """mask_history and train_on_prompt under qwen, chatml and qwen3_nothink: LLAMAFACTORY_UNCUT[template] (gapless's
+    qwen_25 or chatml, refusing one kind of record) writes LLaMA-Factory's ids (train_on_prompt: its mask too;
+    mask_history: but for the last answer's newline after <|im_end|>). An untrained answer whose leading whitespace
+    holds a newline would tokenize together with the `assistant\\n` before it (Qwen2's pre-tokenizer: "\\n\\n" one
+    piece), unlike LLaMA-Factory, which tokenizes the answer on its own: a template error. (Empty system messages
+    left out, as in the test above: gapless's templates write an empty system turn, LLaMA-Factory none or its
+    default.)"""
+    spec = SPECS["qwen"] if template == "qwen" else {**SPECS["qwen"], "default_system": ""}
+    near = TEMPLATES["qwen_25" if template == "qwen" else "chatml"]
+    conversations = [c for c in CONVERSATIONS + shared_conversations(shared) if c[0]["content"]
+                     and not any(m["role"] == "assistant" and "\n" in m["content"][:len(m["content"])
+                                                                      - len(m["content"].lstrip())] for m in c)]
+    assert len(conversations) > 12
+    for messages in conversations:
+        ids, mask = llamafactory_encode(qwen2, spec, messages, last_only=True)
+        got_ids, got_mask = gapless_encode(qwen2, LLAMAFACTORY_UNCUT[template], messages, "last_assistant")
+        assert got_ids == ids and newline_after(qwen2, "<|im_end|>", ids, mask, got_mask, 1), messages
+        assert gapless_encode(qwen2, LLAMAFACTORY_UNCUT[template], messages, "all") == (ids, [1] * len(ids))
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": lead + "4"},
+                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    for train_on in ("last_assistant", "all"):
+        assert gapless_encode(qwen2, near, messages, train_on)[0] != llamafactory_encode(qwen2, spec, messages)[0]
+    chunk = Encoder(qwen2, LLAMAFACTORY_UNCUT[template], max_seq_len=10**6, train_on="last_assistant",
+                    overlong="truncate").encode_chunk([Example("x.jsonl:1", messages=messages)])
+    assert [e.reason for e in chunk.errors] == ["template_error"] and "starts with a newline" in str(chunk.errors[0])
+    spaces = [messages[0], {"role": "assistant", "content": " \t 4"}, *messages[2:]]  # tokenize alike: no error
+    assert gapless_encode(qwen2, LLAMAFACTORY_UNCUT[template], spaces, "all")[0] == \
+        llamafactory_encode(qwen2, spec, spaces)[0]

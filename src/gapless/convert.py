@@ -1452,11 +1452,14 @@ def convert_llamafactory(raw: dict) -> Conversion:
               + " records with tools or tool turns are skipped and counted"
               + ("" if every_answer else ", and those with an untrained answer starting with a newline"))
     elif template in LLAMAFACTORY_NEAR:
-        name = LLAMAFACTORY_NEAR[template]
-        c.put("template", "data.chat_template", TEMPLATES[name],
+        # when some answers do not train, the template that also skips the records gapless would tokenize otherwise
+        name, every_answer = LLAMAFACTORY_NEAR[template], not (c.get("train_on_prompt") or c.get("mask_history"))
+        c.put("template", "data.chat_template", TEMPLATES[name] if every_answer else LLAMAFACTORY_UNCUT[template],
               f"gapless's {name} template: LLaMA-Factory's {template} token ids"
               + (", its default system prompt too" if template == "qwen" else "")
-              + "; " + _TRAINS_NEWLINE.format(end="<|im_end|>"))
+              + "; " + _TRAINS_NEWLINE.format(end="<|im_end|>")
+              + ("" if every_answer else "; records with an untrained answer starting with a newline are skipped "
+                                         "and counted"))
     else:
         c.refuse("template", (LLAMAFACTORY_REFUSED[template] + "; " if template in LLAMAFACTORY_REFUSED else "")
                  + f"gapless trains LLaMA-Factory's {', '.join([*LLAMAFACTORY, *LLAMAFACTORY_NEAR])}; for another, "

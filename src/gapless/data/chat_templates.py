@@ -163,16 +163,26 @@ LLAMAFACTORY_GEMMA = (
 # LLAMAFACTORY_GEMMA for train_on all or last_assistant: an untrained answer whose leading whitespace holds a newline
 # merges it into the `model\n` before it (Qwen2's pre-tokenizer: "\n\n" and "\n \n" one piece each), which
 # LLaMA-Factory tokenizes apart: a template error, skipped and counted
-LLAMAFACTORY_GEMMA_UNCUT = LLAMAFACTORY_GEMMA.replace(
-    "{{ m['content'] + '<end_of_turn>\n' }}",
-    "{% set lead = m['content'][:(m['content'] | length) - (m['content'].lstrip() | length)] %}"
+_NEWLINE_LEAD = (
+    "{% set text = m['content'] or '' %}{% set lead = text[:(text | length) - (text.lstrip() | length)] %}"
     "{% if m['role'] == 'assistant' and ('\n' in lead or '\r' in lead) %}"
     "{{ raise_exception('an answer that starts with a newline tokenizes unlike LLaMA-Factory when not every answer "
-    "trains (mask_history, train_on_prompt)') }}{% endif %}"
-    "{{ m['content'] + '<end_of_turn>\n' }}", 1)
+    "trains (mask_history, train_on_prompt)') }}{% endif %}")
+LLAMAFACTORY_GEMMA_UNCUT = LLAMAFACTORY_GEMMA.replace(
+    "{{ m['content'] + '<end_of_turn>\n' }}", _NEWLINE_LEAD + "{{ m['content'] + '<end_of_turn>\n' }}", 1)
 
-# LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (the
-# names it refuses, and why, are gapless.convert.LLAMAFACTORY_REFUSED)
+# LLaMA-Factory's qwen, chatml and qwen3_nothink write gapless's QWEN_25 / CHATML ids (gapless.convert's
+# LLAMAFACTORY_NEAR) when every answer trains; for train_on all or last_assistant, the same templates with gemma's
+# check: an untrained answer whose leading whitespace holds a newline merges it into the `assistant\n` before it
+# (Qwen2's pre-tokenizer: "\n\n" one piece), which LLaMA-Factory tokenizes apart (its answer slot on its own): a
+# template error, skipped and counted. Leading spaces without a newline tokenize alike across that cut
+QWEN_25_UNCUT = QWEN_25.replace("{%- for m in messages %}", "{%- for m in messages %}" + _NEWLINE_LEAD, 1)
+CHATML_UNCUT = CHATML.replace("{% for m in messages %}", "{% for m in messages %}" + _NEWLINE_LEAD, 1)
+
+# LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (qwen,
+# chatml and qwen3_nothink: gapless's TEMPLATES when every answer trains; the names it refuses, and why, are
+# gapless.convert.LLAMAFACTORY_REFUSED)
 LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3, "gemma": LLAMAFACTORY_GEMMA, "gemma3": LLAMAFACTORY_GEMMA}
 LLAMAFACTORY_UNCUT = {"llama3": LLAMAFACTORY_LLAMA3_UNCUT, "gemma": LLAMAFACTORY_GEMMA_UNCUT,
-                      "gemma3": LLAMAFACTORY_GEMMA_UNCUT}
+                      "gemma3": LLAMAFACTORY_GEMMA_UNCUT, "qwen": QWEN_25_UNCUT, "chatml": CHATML_UNCUT,
+                      "qwen3_nothink": CHATML_UNCUT}
