@@ -1122,14 +1122,16 @@ def test_llamafactory_converts_and_trains(files, lf_dir, capsys):
 @pytest.mark.parametrize("changes", [{}, {"mask_history": True}, {"train_on_prompt": True}])
 def test_llamafactory_chatml_templates_train_their_ids_and_say_the_newline(files, lf_dir, template, name, changes):
     """LLaMA-Factory's qwen (Qwen2.5's default system prompt), chatml and qwen3_nothink: gapless's template of the same
-    ids (tests/test_llamafactory_templates.py), the one token a turn it does not train said in the mapping; when some
-    answers do not train, the same template skipping (and saying so) records whose untrained answer starts with a
-    newline."""
+    ids (tests/test_llamafactory_templates.py) skipping records with tools or tool turns, the one token a turn it does
+    not train said in the mapping; when some answers do not train, also skipping (and saying so) records whose
+    untrained answer starts with a newline."""
     conv = convert(lf_raw(files, lf_dir, template=template, **changes))
-    assert conv.config["data"]["chat_template"] == (LF_JINJA_UNCUT[template] if changes else TEMPLATES[name])
+    assert conv.config["data"]["chat_template"] == (LF_JINJA_UNCUT if changes else LF_JINJA)[template]
+    assert conv.config["data"]["chat_template"].endswith(TEMPLATES[name]) or changes
     (said,) = [t for s, t in conv.applied if s.startswith("template:")]
     assert f"(gapless's {name} template: LLaMA-Factory's {template} token ids" in said
     assert "trains the newline it writes after each <|im_end|>" in said and "one token a turn" in said
+    assert "records with tools or tool turns (LLaMA-Factory writes them as its own text) are skipped" in said
     assert ("untrained answer starting with a newline" in said) == bool(changes)
 
 

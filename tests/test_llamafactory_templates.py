@@ -8,6 +8,8 @@ default_system) written once before the first user turn (Llama2Template's, gemma
 every assistant message trained, nothing else (no cutoff
 here: every conversation fits). gapless's side is its Encoder with the Jinja the converter writes.
 """
+import json
+
 import pytest
 
 import chat_templates
@@ -301,3 +303,71 @@ def test_qwen_under_mask_history_and_train_on_prompt(shared, qwen2, template, le
     spaces = [messages[0], {"role": "assistant", "content": " \t 4"}, *messages[2:]]  # tokenize alike: no error
     assert gapless_encode(qwen2, LLAMAFACTORY_UNCUT[template], spaces, "all")[0] == \
         llamafactory_encode(qwen2, spec, spaces)[0]
+
+
+def qwen_tool_text(messages: list[dict], tools: list[dict], default_system: str) -> str:
+    """LLaMA-Factory's qwen text (qwen3_nothink's: no default system) of a conversation with tools, tool calls (its
+    function turns: the is_tool_call turns' {"name", "arguments"} JSON) and results (observation turns), from its
+    register_template("qwen") slots and tool_utils.QwenToolUtils: the tools in the system turn, each wrapped as
+    {"type": "function", "function": TOOL}; a call `<tool_call>\\n{JSON}\\n</tool_call><|im_end|>\\n`; a result
+    its own `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n`."""
+    tool_text = "".join("\n" + json.dumps(t if t.get("type") == "function" else {"type": "function", "function": t},
+                                           ensure_ascii=False) for t in tools)
+    system = (messages[0]["content"] if messages[0]["role"] == "system" else "") or default_system
+    text = ("<|im_start|>system\n" + system + "\n\n# Tools\n\nYou may call one or more functions to assist with the "
+            "user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+            + tool_text + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call><|im_end|>\n")
+    for m in messages[1:] if messages[0]["role"] == "system" else messages:
+        if m["role"] == "user":
+            text += "<|im_start|>user\n" + m["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+        elif m["role"] == "tool":
+            text += ("<|im_start|>user\n<tool_response>\n" + m["content"]
+                     + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        elif m.get("is_tool_call"):
+            calls = json.loads(m["content"])
+            text += "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
+                                                           ensure_ascii=False) + "\n</tool_call>"
+                              for c in (calls if isinstance(calls, list) else [calls])) + "<|im_end|>\n"
+        else:
+            text += m["content"] + "<|im_end|>\n"
+    return text
+
+
+@pytest.mark.parametrize("template", ["qwen", "chatml", "qwen3_nothink"])
+def test_qwen_tool_records_are_counted_template_errors(shared, qwen2, template):
+    """Records with tools under qwen and qwen3_nothink: LLaMA-Factory's text (qwen_tool_text, tokenized here whole)
+    differs from gapless's qwen_25 text, token for token, in the tools alone: LLaMA-Factory wraps each as
+    {"type": "function", "function": TOOL}, Qwen2.5's template writes it as the record gives it (with the tools given
+    wrapped, the ids agree). chatml writes tools and calls in LLaMA-Factory's default "Action:" text. So
+    LLAMAFACTORY[template] skips each record with tools, tool calls or results as a template error, and trains the
+    others as gapless's template does."""
+    examples = list(read_source(SourceConfig(path=str(shared / "data/messages/glaive_toolcall_en_demo.jsonl"))))[:20]
+    tools = {ex.where for ex in examples if ex.tools or any(m["role"] == "tool" or m.get("is_tool_call")
+                                                            for m in ex.messages)}
+    assert len(tools) > 5 and all(any(m.get("is_tool_call") for m in ex.messages) and any(
+        m["role"] == "tool" for m in ex.messages) for ex in examples if ex.where in tools)
+    if template == "qwen":
+        for ex in (ex for ex in examples if ex.where in tools):
+            ids = qwen2.encode(qwen_tool_text(ex.messages, ex.tools, SPECS["qwen"]["default_system"]),
+                               add_special_tokens=False)
+            assert gapless_encode_tools(qwen2, TEMPLATES["qwen_25"], ex.messages, ex.tools)[0] != ids
+            wrapped = [{"type": "function", "function": t} for t in ex.tools]
+            assert gapless_encode_tools(qwen2, TEMPLATES["qwen_25"], ex.messages, wrapped)[0] == ids
+    chunk = Encoder(qwen2, LLAMAFACTORY[template], max_seq_len=10**6, train_on="assistant",
+                    overlong="truncate").encode_chunk(examples)
+    assert {e.where for e in chunk.errors} == tools and len(chunk.ids) == len(examples) - len(tools)
+    assert all(e.reason == "template_error" and "LLaMA-Factory writes" in str(e) for e in chunk.errors)
+    near = Encoder(qwen2, TEMPLATES["qwen_25" if template == "qwen" else "chatml"], max_seq_len=10**6,
+                   train_on="assistant", overlong="truncate").encode_chunk([ex for ex in examples
+                                                                           if ex.where not in tools])
+    assert [i.tolist() for i in chunk.ids] == [i.tolist() for i in near.ids]
+    assert [m.tolist() for m in chunk.mask] == [m.tolist() for m in near.mask]
+
+
+def gapless_encode_tools(tok, template: str, messages: list[dict], tools: list[dict]) -> tuple[list, list]:
+    chunk = Encoder(tok, template, max_seq_len=10**6, train_on="assistant", overlong="truncate").encode_chunk(
+        [Example("x.jsonl:1", messages=messages, tools=tools)])
+    assert not chunk.errors, chunk.errors
+    return chunk.ids[0].tolist(), chunk.mask[0].tolist()

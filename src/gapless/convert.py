@@ -1329,8 +1329,9 @@ _TRAINS_NEWLINE = ("LLaMA-Factory trains the newline it writes after each {end} 
                    "'{{{{content}}}}{end}\\n'); gapless trains an answer through {end}: the loss masks differ by "
                    "one token a turn")
 # LLaMA-Factory's templates whose token ids a gapless named template (gapless.data.chat_templates.TEMPLATES) gives
-# exactly, and whose loss mask differs in the one token _TRAINS_NEWLINE says (test_llamafactory_templates.py, on the
-# Qwen2 tokenizer): trained as that template, with the difference said in the mapping, as an unset template is
+# exactly for records without tools, and whose loss mask differs in the one token _TRAINS_NEWLINE says
+# (test_llamafactory_templates.py, on the Qwen2 tokenizer): trained as that template skipping the records with tools
+# or tool turns (chat_templates.LLAMAFACTORY), with the difference said in the mapping, as an unset template is
 LLAMAFACTORY_NEAR = {"qwen": "qwen_25", "chatml": "chatml", "qwen3_nothink": "chatml"}
 # LLaMA-Factory's templates whose Jinja in chat_templates.LLAMAFACTORY gives its token ids, and whose loss mask
 # differs in the one token _TRAINS_NEWLINE says, after this end-of-turn token (test_llamafactory_templates.py)
@@ -1441,6 +1442,16 @@ def convert_llamafactory(raw: dict) -> Conversion:
                                                     "reads the tokenizer's template when template is unset; it also "
                                                     "trains any text that template writes after an answer's "
                                                     "end-of-turn token, ChatML's newline, which gapless does not)"))
+    elif template in LLAMAFACTORY_NEAR:
+        # gapless.data.chat_templates.LLAMAFACTORY: gapless's template of its ids, skipping the records with tools;
+        # when some answers do not train, also those gapless would tokenize otherwise
+        name, every_answer = LLAMAFACTORY_NEAR[template], not (c.get("train_on_prompt") or c.get("mask_history"))
+        c.put("template", "data.chat_template", (LLAMAFACTORY if every_answer else LLAMAFACTORY_UNCUT)[template],
+              f"gapless's {name} template: LLaMA-Factory's {template} token ids"
+              + (", its default system prompt too" if template == "qwen" else "")
+              + "; " + _TRAINS_NEWLINE.format(end="<|im_end|>")
+              + "; records with tools or tool turns (LLaMA-Factory writes them as its own text) are skipped and counted"
+              + ("" if every_answer else ", and those with an untrained answer starting with a newline"))
     elif template in LLAMAFACTORY:
         # gapless.data.chat_templates: the Jinja whose ids and loss mask are LLaMA-Factory's; when some answers do not
         # train, the one that also skips the records gapless would tokenize otherwise
@@ -1451,18 +1462,9 @@ def convert_llamafactory(raw: dict) -> Conversion:
               + ("; " + _TRAINS_NEWLINE.format(end=end) + ";" if end else " and loss mask;")
               + " records with tools or tool turns are skipped and counted"
               + ("" if every_answer else ", and those with an untrained answer starting with a newline"))
-    elif template in LLAMAFACTORY_NEAR:
-        # when some answers do not train, the template that also skips the records gapless would tokenize otherwise
-        name, every_answer = LLAMAFACTORY_NEAR[template], not (c.get("train_on_prompt") or c.get("mask_history"))
-        c.put("template", "data.chat_template", TEMPLATES[name] if every_answer else LLAMAFACTORY_UNCUT[template],
-              f"gapless's {name} template: LLaMA-Factory's {template} token ids"
-              + (", its default system prompt too" if template == "qwen" else "")
-              + "; " + _TRAINS_NEWLINE.format(end="<|im_end|>")
-              + ("" if every_answer else "; records with an untrained answer starting with a newline are skipped "
-                                         "and counted"))
     else:
         c.refuse("template", (LLAMAFACTORY_REFUSED[template] + "; " if template in LLAMAFACTORY_REFUSED else "")
-                 + f"gapless trains LLaMA-Factory's {', '.join([*LLAMAFACTORY, *LLAMAFACTORY_NEAR])}; for another, "
+                 + f"gapless trains LLaMA-Factory's {', '.join(LLAMAFACTORY)}; for another, "
                    "unset template (the tokenizer's own chat template) or set data.chat_template to its Jinja")
     if c.get("mix_strategy", "concat") != "concat":
         c.refuse("mix_strategy", "gapless concatenates its sources (mix_strategy: concat)")

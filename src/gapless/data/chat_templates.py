@@ -8,8 +8,9 @@ through the Axolotl converter (gapless.convert), which writes the Jinja itself.
 
 LLAMAFACTORY holds the Jinja of LLaMA-Factory's template names whose token ids gapless writes as LLaMA-Factory does
 (its src/llamafactory/data/template.py and data/processor/supervised.py), and whose loss mask is its own but for
-the separator gemma's writes after each end-of-turn token (gapless.convert.LLAMAFACTORY_SEPARATOR); the
-LLaMA-Factory converter writes it. tests/test_llamafactory_templates.py checks ids and loss mask against
+the separator gemma's writes after each end-of-turn token (gapless.convert.LLAMAFACTORY_SEPARATOR; qwen's, chatml's
+and qwen3_nothink's newline after <|im_end|>, gapless.convert.LLAMAFACTORY_NEAR); the LLaMA-Factory converter writes
+it. tests/test_llamafactory_templates.py checks ids and loss mask against
 LLaMA-Factory's encoding.
 """
 from __future__ import annotations
@@ -171,18 +172,31 @@ _NEWLINE_LEAD = (
 LLAMAFACTORY_GEMMA_UNCUT = LLAMAFACTORY_GEMMA.replace(
     "{{ m['content'] + '<end_of_turn>\n' }}", _NEWLINE_LEAD + "{{ m['content'] + '<end_of_turn>\n' }}", 1)
 
-# LLaMA-Factory's qwen, chatml and qwen3_nothink write gapless's QWEN_25 / CHATML ids (gapless.convert's
-# LLAMAFACTORY_NEAR) when every answer trains; for train_on all or last_assistant, the same templates with gemma's
-# check: an untrained answer whose leading whitespace holds a newline merges it into the `assistant\n` before it
-# (Qwen2's pre-tokenizer: "\n\n" one piece), which LLaMA-Factory tokenizes apart (its answer slot on its own): a
-# template error, skipped and counted. Leading spaces without a newline tokenize alike across that cut
-QWEN_25_UNCUT = QWEN_25.replace("{%- for m in messages %}", "{%- for m in messages %}" + _NEWLINE_LEAD, 1)
-CHATML_UNCUT = CHATML.replace("{% for m in messages %}", "{% for m in messages %}" + _NEWLINE_LEAD, 1)
+# LLaMA-Factory's qwen, chatml and qwen3_nothink: gapless's QWEN_25 (qwen) and CHATML write their ids
+# (gapless.convert's LLAMAFACTORY_NEAR) for records without tools. Its qwen and qwen3_nothink write the tools as
+# Qwen2.5 does but each wrapped as {"type": "function", "function": TOOL} (tool_utils.QwenToolUtils), and each tool
+# result as its own user turn (Qwen2.5 joins consecutive ones); its chatml writes tools and calls in its default
+# "Action: NAME\nAction Input: ARGS" text. A record with tools, tool calls or tool results is a template error,
+# skipped and counted, as for llama3
+_NO_TOOLS = (
+    "{% if tools %}{{ raise_exception('LLaMA-Factory writes the tools into the system turn as its own text, which "
+    "gapless does not render') }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' or m['tool_calls'] %}"
+    "{{ raise_exception('LLaMA-Factory writes tool calls and results as its own text, which gapless does not "
+    "render') }}{% endif %}{% endfor %}")
+LLAMAFACTORY_QWEN, LLAMAFACTORY_CHATML = _NO_TOOLS + QWEN_25, _NO_TOOLS + CHATML
+# for train_on all or last_assistant, gemma's check too: an untrained answer whose leading whitespace holds a newline
+# merges it into the `assistant\n` before it (Qwen2's pre-tokenizer: "\n\n" one piece), which LLaMA-Factory
+# tokenizes apart (its answer slot on its own): a template error, skipped and counted. Leading spaces without a
+# newline tokenize alike across that cut
+QWEN_25_UNCUT = LLAMAFACTORY_QWEN.replace("{%- for m in messages %}", "{%- for m in messages %}" + _NEWLINE_LEAD, 1)
+CHATML_UNCUT = LLAMAFACTORY_CHATML.replace("{% for m in messages %}{{ '<|im_start|>'",
+                                           "{% for m in messages %}" + _NEWLINE_LEAD + "{{ '<|im_start|>'", 1)
 
-# LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (qwen,
-# chatml and qwen3_nothink: gapless's TEMPLATES when every answer trains; the names it refuses, and why, are
-# gapless.convert.LLAMAFACTORY_REFUSED)
-LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3, "gemma": LLAMAFACTORY_GEMMA, "gemma3": LLAMAFACTORY_GEMMA}
+# LLaMA-Factory's template name -> the Jinja gapless trains it with, when every answer trains and otherwise (the
+# names it refuses, and why, are gapless.convert.LLAMAFACTORY_REFUSED)
+LLAMAFACTORY = {"llama3": LLAMAFACTORY_LLAMA3, "gemma": LLAMAFACTORY_GEMMA, "gemma3": LLAMAFACTORY_GEMMA,
+                "qwen": LLAMAFACTORY_QWEN, "chatml": LLAMAFACTORY_CHATML, "qwen3_nothink": LLAMAFACTORY_CHATML}
 LLAMAFACTORY_UNCUT = {"llama3": LLAMAFACTORY_LLAMA3_UNCUT, "gemma": LLAMAFACTORY_GEMMA_UNCUT,
                       "gemma3": LLAMAFACTORY_GEMMA_UNCUT, "qwen": QWEN_25_UNCUT, "chatml": CHATML_UNCUT,
                       "qwen3_nothink": CHATML_UNCUT}
