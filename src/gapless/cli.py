@@ -57,16 +57,13 @@ def run_data(args) -> int:
 
     if args.example < 0:
         raise ValueError(f"--example: {args.example}; give the number of a document, from 0")
-    peer = _peer_config(args.inputs[0], args.inputs[1:])
+    # --set's data settings as the converted config's dotted overrides, checked with it
+    data_overrides = [f"data.{o.removeprefix('data.')}" for o in args.overrides]
+    peer = _peer_config(args.inputs[0], [*args.inputs[1:], *data_overrides])
     if peer is not None:  # an Axolotl, TRL or LLaMA-Factory config: its data as converted, as train reads it
         from dataclasses import replace
 
-        from gapless.config import apply_overrides, from_dict
-        from gapless.data.summary import DataConfig
-
-        section = vars(replace(peer.data, tokenizer=args.tokenizer or peer.data.tokenizer or peer.model.path))
-        cfg = from_dict(DataConfig, apply_overrides(
-            {k: v for k, v in section.items()}, [o.removeprefix("data.") for o in args.overrides]), "data")
+        cfg = replace(peer.data, tokenizer=args.tokenizer or peer.data.tokenizer or peer.model.path)
     else:
         cfg = data_config_from_inputs(args.inputs, tokenizer=args.tokenizer, overrides=args.overrides,
                                       format=args.format)
